@@ -1,0 +1,63 @@
+"""taskonce: effectively-once Celery tasks and Dramatiq actors.
+
+Brokers deliver at least once; taskonce is the idempotent receiver in front of your handlers.
+See DESIGN.md for the contract: keys, modes, the decision table and the events.
+"""
+
+from __future__ import annotations
+
+from taskonce.errors import (
+    ConfigError,
+    InProgressElsewhere,
+    InvalidInput,
+    LeaseLost,
+    PayloadMismatch,
+    StoreUnavailable,
+    TaskonceError,
+)
+from taskonce.events import EventSink, JsonlEvents, LoggingEvents
+from taskonce.guard import Decision, Delivery, Guard, Outcome, Ticket
+from taskonce.policy import Policy
+from taskonce.session import current_session
+from taskonce.stores import MemoryStore, Record, Status, Store, open_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "Decision",
+    "Delivery",
+    "EventSink",
+    "Guard",
+    "InProgressElsewhere",
+    "InvalidInput",
+    "JsonlEvents",
+    "LeaseLost",
+    "LoggingEvents",
+    "MemoryStore",
+    "Outcome",
+    "PayloadMismatch",
+    "Policy",
+    "Record",
+    "Status",
+    "Store",
+    "StoreUnavailable",
+    "TaskonceError",
+    "Ticket",
+    "__version__",
+    "current_session",
+    "open_store",
+]
+
+
+def __getattr__(name: str) -> object:
+    # RedisStore and SQLStore import their drivers; load them only when asked for.
+    if name == "RedisStore":
+        from taskonce.stores.redis import RedisStore
+
+        return RedisStore
+    if name == "SQLStore":
+        from taskonce.stores.sql import SQLStore
+
+        return SQLStore
+    raise AttributeError(f"module 'taskonce' has no attribute {name!r}")

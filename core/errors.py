@@ -1,0 +1,78 @@
+"""The exceptions taskonce raises.
+
+Every error derives from :class:`TaskonceError`, so ``except TaskonceError`` catches all of
+them. Messages name the thing that is wrong (the policy field, the key, the store URL) and never
+contain a password.
+"""
+
+from __future__ import annotations
+
+
+class TaskonceError(Exception):
+    """Base class of every taskonce error."""
+
+
+class ConfigError(TaskonceError, ValueError):
+    """A policy, store URL or adapter setting is invalid; the message names the field."""
+
+
+class InvalidInput(TaskonceError, ValueError):
+    """A delivery cannot be keyed or fingerprinted: empty message id, non-string queue, a key
+    longer than a store accepts, arguments or a result that JSON cannot represent."""
+
+
+class StoreUnavailable(TaskonceError):
+    """The store could not be reached or did not answer; with ``on_store_error="fail_closed"``
+    the handler was not run and the message should go back to the broker."""
+
+
+class LeaseLost(TaskonceError):
+    """A fenced write (complete, release, renew) was refused: the owner token no longer matches,
+    because the lease ran out and another delivery took the claim over (or an operator
+    released it)."""
+
+    def __init__(self, key: str, operation: str) -> None:
+        super().__init__(
+            f"{operation} refused for key {key!r}: this worker's claim is no longer the owner "
+            "(its lease ran out and another delivery took it over, or it was released)"
+        )
+        self.key = key
+        self.operation = operation
+
+
+class PayloadMismatch(TaskonceError):
+    """A message arrived under a key whose recorded payload fingerprint differs: the same id was
+    reused for different work. The handler is not run."""
+
+    def __init__(self, key: str, recorded: str, received: str) -> None:
+        super().__init__(
+            f"payload mismatch for key {key!r}: recorded fingerprint {recorded[:12]}…, this "
+            f"delivery's {received[:12]}… — the same message id carries different arguments; "
+            "the handler was not run"
+        )
+        self.key = key
+        self.recorded = recorded
+        self.received = received
+
+
+class InProgressElsewhere(TaskonceError):
+    """Another live owner holds the claim on this key; deliver again after ``retry_after``
+    seconds (the lease's remaining time by the store's clock)."""
+
+    def __init__(self, key: str, retry_after: float) -> None:
+        super().__init__(
+            f"key {key!r} is being processed elsewhere; its lease ends in {retry_after:.1f}s"
+        )
+        self.key = key
+        self.retry_after = retry_after
+
+
+__all__ = [
+    "ConfigError",
+    "InProgressElsewhere",
+    "InvalidInput",
+    "LeaseLost",
+    "PayloadMismatch",
+    "StoreUnavailable",
+    "TaskonceError",
+]

@@ -1,0 +1,163 @@
+"""Events: one flat record per guard decision, to logging (always) and optional sinks.
+
+The field and event names are public (DESIGN.md, Events): ``taskonce audit`` reads them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+logger = logging.getLogger("taskonce.events")
+
+EVENT_NAMES = frozenset(
+    {
+        "claimed",
+        "completed",
+        "released",
+        "marked",
+        "duplicate_skipped",
+        "in_progress_deferred",
+        "lease_taken_over",
+        "lease_renewed",
+        "lease_lost",
+        "concurrent_duplicate",
+        "payload_mismatch",
+        "store_error",
+        "purged",
+    }
+)
+
+FIELDS = (
+    "ts",
+    "event",
+    "key",
+    "queue",
+    "message_id",
+    "task",
+    "framework",
+    "mode",
+    "worker",
+    "attempt",
+    "redelivered",
+    "duration_ms",
+    "lease_s",
+    "keep_for_s",
+)
+
+_WARNING_EVENTS = frozenset(
+    {"lease_lost", "concurrent_duplicate", "payload_mismatch", "store_error"}
+)
+_INFO_EVENTS = frozenset(
+    {"duplicate_skipped", "in_progress_deferred", "lease_taken_over", "purged"}
+)
+_HOST = socket.gethostname()
+
+
+def worker_id() -> str:
+    """``host:pid`` of this process (the pid changes after a fork, so it is read each time)."""
+    return f"{_HOST}:{os.getpid()}"
+
+
+def utc_now_iso() -> str:
+    """ISO 8601 UTC with milliseconds, e.g. ``2026-11-22T03:10:36.123Z``."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return now.strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z"
+
+
+def make_event(event: str, **fields: Any) -> dict[str, Any]:
+    """An event with every public field present (``None`` where it does not apply)."""
+    if event not in EVENT_NAMES:
+        raise ValueError(f"unknown event name {event!r}")
+    unknown = set(fields) - set(FIELDS)
+    if unknown:
+        raise ValueError(f"unknown event field(s) {sorted(unknown)}")
+    record: dict[str, Any] = dict.fromkeys(FIELDS)
+    record.update(fields)
+    record["ts"] = fields.get("ts") or utc_now_iso()
+    record["event"] = event
+    record["worker"] = fields.get("worker") or worker_id()
+    return record
+
+
+@runtime_checkable
+class EventSink(Protocol):
+    """Anything with ``emit(event)``; it must not raise for a well-formed event."""
+
+    def emit(self, event: Mapping[str, Any]) -> None: ...
+
+
+class LoggingEvents:
+    """Logs every event on the ``taskonce.events`` logger: warnings for lease_lost,
+    concurrent_duplicate, payload_mismatch and store_error; info for skips, deferrals,
+    take-overs and purges; debug for the routine claim/complete/mark/release/renew."""
+
+    def emit(self, event: Mapping[str, Any]) -> None:
+        name = event["event"]
+        level = (
+            logging.WARNING
+            if name in _WARNING_EVENTS
+            else logging.INFO
+            if name in _INFO_EVENTS
+            else logging.DEBUG
+        )
+        if logger.isEnabledFor(level):
+            logger.log(
+                level,
+                "%s key=%s task=%s mode=%s attempt=%s",
+                name,
+                event.get("key"),
+                event.get("task"),
+                event.get("mode"),
+                event.get("attempt"),
+                extra={"taskonce_event": dict(event)},
+            )
+
+
+class JsonlEvents:
+    """Appends each event as one JSON line to ``path``.
+
+    The file is opened with ``O_APPEND`` and each line written with one ``write`` call, so
+    lines from threads and from processes on one host never interleave. Safe across fork: the
+    child reopens the file on first use.
+
+    :param path: the file; its directory is created if missing.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._pid = -1
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+
+    def emit(self, event: Mapping[str, Any]) -> None:
+        line = (json.dumps(event, separators=(",", ":"), default=str) + "\n").encode("utf-8")
+        with self._lock:
+            if self._fd is None or self._pid != os.getpid():
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                self._pid = os.getpid()
+            os.write(self._fd, line)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None and self._pid == os.getpid():
+                os.close(self._fd)
+            self._fd = None
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All events of a JSONL file (for tests and small tools)."""
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]

@@ -1,0 +1,66 @@
+"""Keys and payload fingerprints: what identifies one logical delivery."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from taskonce.errors import InvalidInput
+from taskonce.stores.base import MAX_KEY_LENGTH
+
+
+def _escape_queue(queue: str) -> str:
+    # ":" separates queue from id; escaping it keeps ("a:b", "c") and ("a", "b:c") apart.
+    return queue.replace("%", "%25").replace(":", "%3A")
+
+
+def make_key(message_id: object, queue: object, identity: str) -> str:
+    """The store key of a delivery: ``queue:message_id`` (identity ``id+queue``) or the id alone.
+
+    Raises :class:`InvalidInput` for a missing or empty id, a non-string queue, control
+    characters, or a key longer than :data:`~taskonce.stores.base.MAX_KEY_LENGTH`.
+    """
+    if not isinstance(message_id, str) or not message_id.strip():
+        raise InvalidInput(
+            f"message id {message_id!r} is missing or empty; a guarded message needs a stable, "
+            "non-empty string id (Celery task id / Dramatiq message_id)"
+        )
+    if not isinstance(queue, str) or not queue.strip():
+        raise InvalidInput(
+            f"queue {queue!r} must be a non-empty string (got {type(queue).__name__})"
+        )
+    if any(ord(ch) < 32 for ch in message_id + queue):
+        raise InvalidInput(
+            f"message id {message_id!r} or queue {queue!r} contains control characters"
+        )
+    key = message_id if identity == "id" else f"{_escape_queue(queue)}:{message_id}"
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidInput(
+            f"key for message id {message_id[:40]!r}… on queue {queue[:40]!r} is {len(key)} "
+            f"characters; the limit is {MAX_KEY_LENGTH}"
+        )
+    return key
+
+
+def fingerprint(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    """A stable SHA-256 of task name, args and kwargs, serialised as canonical JSON.
+
+    Tuples and lists hash alike (brokers turn one into the other); dict key order does not
+    matter. Arguments JSON cannot represent raise :class:`InvalidInput`.
+    """
+    try:
+        text = json.dumps(
+            [task, list(args), dict(kwargs)],
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=False,
+            allow_nan=False,
+        )
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(
+            f"arguments of task {task!r} cannot be fingerprinted as JSON ({exc}); pass "
+            "JSON-serialisable arguments or set check_payload=False for this task"
+        ) from exc
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -1,0 +1,110 @@
+"""Policies: how one queue (or one task/actor) is guarded."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from taskonce.errors import ConfigError
+
+Mode = Literal["eager", "lazy"]
+Identity = Literal["id+queue", "id"]
+OnInProgress = Literal["retry", "skip"]
+OnStoreError = Literal["fail_closed", "fail_open"]
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "mode": ("eager", "lazy"),
+    "identity": ("id+queue", "id"),
+    "on_in_progress": ("retry", "skip"),
+    "on_store_error": ("fail_closed", "fail_open"),
+}
+_FLAGS = ("store_result", "check_payload", "transactional", "enabled")
+_SECONDS = ("lease", "keep_for")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """How deliveries on a queue are guarded.
+
+    :param mode: ``"eager"`` claims the key before the handler and releases it if the handler
+        fails; ``"lazy"`` checks before and marks only after success. Default ``"eager"``.
+    :param lease: seconds a claim is held before another delivery may take it over; renewed by a
+        heartbeat while the handler runs. Default 300.
+    :param keep_for: seconds a handled key is remembered (the dedup window). Default 7 days.
+    :param identity: ``"id+queue"`` (default) keys on queue and message id; ``"id"`` on the id.
+    :param on_in_progress: ``"retry"`` (default) delivers a duplicate of a running message again
+        after the lease's remaining time; ``"skip"`` acknowledges it at once.
+    :param on_store_error: ``"fail_closed"`` (default) does not run the handler when the store is
+        unreachable; ``"fail_open"`` runs it unguarded and emits ``store_error``.
+    :param store_result: keep the handler's JSON result with the mark. Default False.
+    :param check_payload: record a fingerprint of task name and arguments and refuse a delivery
+        whose fingerprint differs under the same key. Default True.
+    :param transactional: write the mark in the handler's own database transaction (SQL store,
+        :func:`taskonce.current_session`). Default False.
+    :param enabled: False turns the guard off for this queue/task. Default True.
+    """
+
+    mode: Mode = "eager"
+    lease: float = 300.0
+    keep_for: float = 7 * 86400.0
+    identity: Identity = "id+queue"
+    on_in_progress: OnInProgress = "retry"
+    on_store_error: OnStoreError = "fail_closed"
+    store_result: bool = False
+    check_payload: bool = True
+    transactional: bool = False
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ConfigError(
+                    f"Policy.{name}={value!r} is not valid; choose one of {', '.join(choices)}"
+                )
+        for name in _FLAGS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigError(f"Policy.{name}={value!r} is not valid; it must be True or False")
+        for name in _SECONDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"Policy.{name}={value!r} is not valid; it must be seconds")
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(
+                    f"Policy.{name}={value!r} is not valid; it must be a positive number of seconds"
+                )
+            object.__setattr__(self, name, float(value))
+
+    def replace(self, **changes: Any) -> Policy:
+        """A copy with ``changes`` applied; unknown fields raise :class:`ConfigError`."""
+        unknown = sorted(set(changes) - FIELDS)
+        if unknown:
+            raise ConfigError(
+                f"unknown Policy field(s) {', '.join(unknown)}; known: {', '.join(sorted(FIELDS))}"
+            )
+        return dataclasses.replace(self, **changes)
+
+    def overridden_by(self, override: Policy | Mapping[str, Any] | None) -> Policy:
+        """This policy with a per-queue or per-task override applied.
+
+        A :class:`Policy` replaces this one whole; a mapping changes only the fields it names.
+        """
+        if override is None:
+            return self
+        if isinstance(override, Policy):
+            return override
+        if isinstance(override, Mapping):
+            return self.replace(**dict(override))
+        raise ConfigError(
+            f"an idempotency override must be a Policy or a dict of Policy fields, "
+            f"not {type(override).__name__}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELDS = frozenset(f.name for f in dataclasses.fields(Policy))

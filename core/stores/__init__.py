@@ -1,0 +1,78 @@
+"""Stores and :func:`open_store`, which picks one from a URL."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+from taskonce.errors import ConfigError
+from taskonce.stores.base import MAX_KEY_LENGTH, Claim, ClaimOutcome, Record, Status, Store
+from taskonce.stores.memory import MemoryStore
+
+SUPPORTED_SCHEMES = (
+    "memory://",
+    "redis://",
+    "rediss://",
+    "unix://",
+    "sqlite:///",
+    "postgresql[+driver]://",
+    "mysql[+driver]://",
+    "mariadb[+driver]://",
+)
+
+
+def redact(url: str) -> str:
+    """``url`` with any password replaced by ``***``, for logs and error messages."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
+
+
+def open_store(url: str, **options: Any) -> Store:
+    """Open the store a URL names.
+
+    ``memory://`` → :class:`MemoryStore`; ``redis://``, ``rediss://``, ``unix://`` →
+    :class:`~taskonce.stores.redis.RedisStore`; ``sqlite:///``, ``postgresql+psycopg://``,
+    ``mysql+pymysql://`` (any SQLAlchemy URL of those dialects) →
+    :class:`~taskonce.stores.sql.SQLStore`. ``options`` go to the store's constructor.
+    """
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigError(
+            f"store URL {redact(str(url))!r} is not a URL; "
+            f"supported: {', '.join(SUPPORTED_SCHEMES)}"
+        )
+    scheme = url.split("://", 1)[0].lower()
+    base = scheme.split("+", 1)[0]
+    if base == "memory":
+        return MemoryStore(**options)
+    if base in ("redis", "rediss", "unix"):
+        from taskonce.stores.redis import RedisStore
+
+        return RedisStore(url, **options)
+    if base in ("sqlite", "postgresql", "postgres", "mysql", "mariadb"):
+        from taskonce.stores.sql import SQLStore
+
+        return SQLStore(url, **options)
+    raise ConfigError(
+        f"unknown store URL scheme {scheme!r} in {redact(url)!r}; "
+        f"supported: {', '.join(SUPPORTED_SCHEMES)}"
+    )
+
+
+__all__ = [
+    "MAX_KEY_LENGTH",
+    "SUPPORTED_SCHEMES",
+    "Claim",
+    "ClaimOutcome",
+    "MemoryStore",
+    "Record",
+    "Status",
+    "Store",
+    "open_store",
+    "redact",
+]

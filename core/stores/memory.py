@@ -1,0 +1,180 @@
+"""MemoryStore: a thread-safe store inside one process, for unit tests and the embedded demo.
+
+It is not shared between processes: a forked child starts with a copy of the parent's records
+and its own lock. Use Redis or SQL wherever more than one process consumes a queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from taskonce.errors import LeaseLost
+from taskonce.stores.base import Claim, ClaimOutcome, Record, Status, Store
+
+
+@dataclasses.dataclass
+class _Entry:
+    status: Status
+    owner: str | None
+    fingerprint: str | None
+    result: str | None
+    created_at: float
+    expires_at: float
+    lease_until: float
+
+
+class MemoryStore(Store):
+    """Records in a dict guarded by a lock.
+
+    :param clock: the store's clock, seconds since the epoch; default :func:`time.time`. Tests
+        pass a fake clock to expire leases without waiting.
+    """
+
+    schemes = ("memory",)
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._entries: dict[str, _Entry] = {}
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+
+    def _live(self, key: str, now: float) -> _Entry | None:
+        entry = self._entries.get(key)
+        if entry is not None and entry.expires_at <= now:
+            del self._entries[key]
+            return None
+        return entry
+
+    def _record(self, key: str, entry: _Entry, now: float) -> Record:
+        remaining = 0.0
+        if entry.status is Status.IN_PROGRESS:
+            remaining = max(0.0, entry.lease_until - now)
+        return Record(
+            key=key,
+            status=entry.status,
+            owner=entry.owner,
+            fingerprint=entry.fingerprint,
+            result=entry.result,
+            created_at=entry.created_at,
+            expires_at=entry.expires_at,
+            lease_remaining=remaining,
+        )
+
+    def _owned(self, key: str, owner: str, now: float, operation: str) -> _Entry:
+        entry = self._live(key, now)
+        if entry is None or entry.status is not Status.IN_PROGRESS or entry.owner != owner:
+            raise LeaseLost(key, operation)
+        return entry
+
+    def claim(
+        self, key: str, owner: str, lease: float, keep_for: float, fingerprint: str | None
+    ) -> Claim:
+        with self._lock:
+            now = self._clock()
+            entry = self._live(key, now)
+            outcome = ClaimOutcome.CLAIMED
+            if entry is not None:
+                expired_claim = entry.status is Status.IN_PROGRESS and entry.lease_until <= now
+                same_payload = (
+                    entry.fingerprint is None
+                    or fingerprint is None
+                    or entry.fingerprint == fingerprint
+                )
+                if not (expired_claim and same_payload):
+                    return Claim(ClaimOutcome.EXISTS, self._record(key, entry, now))
+                outcome = ClaimOutcome.TAKEN_OVER
+            self._entries[key] = _Entry(
+                status=Status.IN_PROGRESS,
+                owner=owner,
+                fingerprint=fingerprint,
+                result=None,
+                created_at=now if entry is None else entry.created_at,
+                expires_at=now + lease + keep_for,
+                lease_until=now + lease,
+            )
+            return Claim(outcome)
+
+    def complete(self, key: str, owner: str, keep_for: float, result: str | None) -> None:
+        with self._lock:
+            now = self._clock()
+            entry = self._owned(key, owner, now, "complete")
+            entry.status = Status.COMPLETED
+            entry.owner = None
+            entry.result = result
+            entry.expires_at = now + keep_for
+            entry.lease_until = 0.0
+
+    def release(self, key: str, owner: str | None) -> None:
+        with self._lock:
+            now = self._clock()
+            if owner is not None:
+                self._owned(key, owner, now, "release")
+            self._entries.pop(key, None)
+
+    def renew(self, key: str, owner: str, lease: float) -> None:
+        with self._lock:
+            now = self._clock()
+            entry = self._owned(key, owner, now, "renew")
+            entry.expires_at += max(0.0, now + lease - entry.lease_until)
+            entry.lease_until = now + lease
+
+    def mark(self, key: str, keep_for: float, fingerprint: str | None, result: str | None) -> bool:
+        with self._lock:
+            now = self._clock()
+            if self._live(key, now) is not None:
+                return False
+            self._entries[key] = _Entry(
+                status=Status.COMPLETED,
+                owner=None,
+                fingerprint=fingerprint,
+                result=result,
+                created_at=now,
+                expires_at=now + keep_for,
+                lease_until=0.0,
+            )
+            return True
+
+    def get(self, key: str) -> Record | None:
+        with self._lock:
+            now = self._clock()
+            entry = self._live(key, now)
+            return None if entry is None else self._record(key, entry, now)
+
+    def purge(self, batch: int = 1000) -> int:
+        deleted = 0
+        while True:
+            with self._lock:
+                now = self._clock()
+                expired = [k for k, e in self._entries.items() if e.expires_at <= now][:batch]
+                for key in expired:
+                    del self._entries[key]
+            deleted += len(expired)
+            if len(expired) < batch:
+                return deleted
+
+    def stats(self) -> Mapping[str, int]:
+        with self._lock:
+            now = self._clock()
+            entries = list(self._entries.values())
+        live = [e for e in entries if e.expires_at > now]
+        in_progress = sum(1 for e in live if e.status is Status.IN_PROGRESS)
+        return {
+            "keys": len(live),
+            "in_progress": in_progress,
+            "completed": len(live) - in_progress,
+            "expired": len(entries) - len(live),
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def describe(self) -> str:
+        return "MemoryStore (this process only)"

@@ -1,0 +1,99 @@
+"""Test helpers: the real services of the machine, stores, waiting on conditions.
+
+A service that does not answer skips its tests locally (the reason shows with ``-ra``) and
+fails them in CI (``CI=true``), so CI never passes by skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import taskonce
+from taskonce.stores import Store
+
+REDIS_URL = os.environ.get("TASKONCE_TEST_REDIS", "redis://127.0.0.1:6379/15")
+POSTGRES_URL = os.environ.get(
+    "TASKONCE_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+MARIADB_URL = os.environ.get("TASKONCE_TEST_MARIADB", "mysql+pymysql://root@127.0.0.1:3306/test")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+_SERVICES = {
+    "redis": ("127.0.0.1", 6379),
+    "postgresql": ("127.0.0.1", 5432),
+    "mariadb": ("127.0.0.1", 3306),
+    "rabbitmq": ("127.0.0.1", 5672),
+}
+
+
+def require_service(name: str) -> None:
+    """Skip (locally) or fail (in CI) when a service's port does not answer."""
+    host, port = _SERVICES[name]
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return
+    except OSError as exc:
+        message = f"{name} at {host}:{port} is not answering ({exc}); start it (see .ci/services)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(
+    condition: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = ""
+) -> Any:
+    """Poll ``condition`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+        time.sleep(interval)
+
+
+STORE_KINDS = ["memory", "redis", "postgresql", "mariadb", "sqlite"]
+
+
+def make_store(kind: str, tmp_path: Any) -> Store:
+    """A fresh, empty store of ``kind`` with its own namespace (prefix or table)."""
+    suffix = uuid.uuid4().hex[:10]
+    if kind == "memory":
+        return taskonce.MemoryStore()
+    if kind == "redis":
+        require_service("redis")
+        return taskonce.open_store(REDIS_URL, prefix=f"t{suffix}")
+    if kind == "sqlite":
+        return taskonce.open_store(f"sqlite:///{tmp_path}/store-{suffix}.db")
+    url = POSTGRES_URL if kind == "postgresql" else MARIADB_URL
+    require_service(kind)
+    return taskonce.open_store(url, table=f"t_{suffix}")
+
+
+def drop_store(store: Store) -> None:
+    """Remove what ``make_store`` created (its Redis keys or its table)."""
+    if store.__class__.__name__ == "RedisStore":
+        client = store._client  # type: ignore[attr-defined]
+        prefix = store._prefix  # type: ignore[attr-defined]
+        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+    elif store.__class__.__name__ == "SQLStore":
+        store._table.drop(store._engine, checkfirst=True)  # type: ignore[attr-defined]
+    store.close()
+
+
