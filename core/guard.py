@@ -365,7 +365,8 @@ class Guard:
 
         The task name in the fingerprint is ``fn``'s qualified name.
         """
-        task = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+        named = fn if hasattr(fn, "__qualname__") else type(fn)
+        task = f"{named.__module__}.{named.__qualname__}"
         return self.execute(Delivery(message_id, queue, task=task), fn, args, kwargs)
 
     def close(self) -> None:
@@ -395,14 +396,34 @@ class Guard:
 
     def _final_write(self, ticket: Ticket, write: Callable[[], T]) -> T:
         # The handler has run: a passing store blip must not turn success into a re-run.
+        # A retry after a timed-out write cannot tell "my first write landed" from "someone
+        # else's did" by the write's answer alone, so it asks the store what is recorded.
+        assert ticket.key is not None
         for attempt in range(_FINAL_WRITE_ATTEMPTS):
             try:
-                return write()
+                answer = write()
             except StoreUnavailable:
                 if attempt == _FINAL_WRITE_ATTEMPTS - 1 or ticket._session is not None:
                     raise
                 time.sleep(0.2 * (attempt + 1))
+                continue
+            except LeaseLost:
+                if attempt == 0 or not self._landed(ticket):
+                    raise
+                return True  # type: ignore[return-value]
+            if answer is False and attempt > 0 and self._landed(ticket):
+                return True  # type: ignore[return-value]
+            return answer
         raise AssertionError("unreachable")
+
+    def _landed(self, ticket: Ticket) -> bool:
+        assert ticket.key is not None
+        record = self.store.get(ticket.key)
+        return (
+            record is not None
+            and record.status is Status.COMPLETED
+            and record.fingerprint == ticket.fingerprint
+        )
 
     def _open_session(self, ticket: Ticket) -> None:
         try:

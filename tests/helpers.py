@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-
 import taskonce
 from taskonce.stores import Store
 
@@ -95,5 +94,3 @@ def drop_store(store: Store) -> None:
     elif store.__class__.__name__ == "SQLStore":
         store._table.drop(store._engine, checkfirst=True)  # type: ignore[attr-defined]
     store.close()
-
-

@@ -7,9 +7,9 @@ import time
 import uuid
 
 import pytest
-
 from taskonce.errors import LeaseLost
 from taskonce.stores import ClaimOutcome, Status, Store
+
 from tests.helpers import wait_for
 
 LONG = 60.0
@@ -166,7 +166,7 @@ def test_lease_is_judged_by_the_store_clock(store: Store, monkeypatch: pytest.Mo
 
 def test_mark_writes_once(store: Store) -> None:
     key = new_key()
-    assert store.mark(key, DAY, "fp", '[1,2]') is True
+    assert store.mark(key, DAY, "fp", "[1,2]") is True
     assert store.mark(key, DAY, "fp", None) is False
     record = store.get(key)
     assert record is not None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from taskonce.errors import ConfigError
 from taskonce.stores.base import MAX_KEY_LENGTH, Claim, ClaimOutcome, Record, Status, Store
@@ -22,15 +22,24 @@ SUPPORTED_SCHEMES = (
 
 
 def redact(url: str) -> str:
-    """``url`` with any password replaced by ``***``, for logs and error messages."""
+    """``url`` with any password (in the authority or a ``password=`` query parameter)
+    replaced by ``***``, for logs and error messages."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable URL>"
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return parts._replace(netloc=netloc).geturl()
+    if parts.password is None and "password=" not in parts.query.lower():
+        return url  # nothing to hide; urlunsplit would also drop the empty authority of file URLs
+    if parts.password is not None:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+        parts = parts._replace(netloc=netloc)
+    if parts.query:
+        query = [
+            (name, "***" if name.lower() == "password" else value)
+            for name, value in parse_qsl(parts.query, keep_blank_values=True)
+        ]
+        parts = parts._replace(query=urlencode(query, safe="*"))
+    return parts.geturl()
 
 
 def open_store(url: str, **options: Any) -> Store:
