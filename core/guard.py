@@ -369,6 +369,14 @@ class Guard:
         task = f"{named.__module__}.{named.__qualname__}"
         return self.execute(Delivery(message_id, queue, task=task), fn, args, kwargs)
 
+    def purge(self, batch: int = 1000) -> int:
+        """Delete expired marks and dead claims in batches; emits one ``purged`` event."""
+        deleted = self.store.purge(batch)
+        event = make_event("purged", lease_s=self.default.lease, keep_for_s=self.default.keep_for)
+        self._send(event)
+        logger.info("purged %d expired record(s) from %s", deleted, self.store.describe())
+        return deleted
+
     def close(self) -> None:
         """Close the store."""
         self.store.close()
@@ -380,6 +388,8 @@ class Guard:
         try:
             self.store.renew(ticket.key, ticket.owner, ticket.policy.lease)
         except LeaseLost:
+            if ticket._heartbeat is None:
+                return  # finish/fail ran meanwhile: the claim is complete, not lost
             ticket.lost = True
             self._emit("lease_lost", ticket, duration=True)
             raise
@@ -483,6 +493,9 @@ class Guard:
             lease_s=policy.lease,
             keep_for_s=policy.keep_for,
         )
+        self._send(event)
+
+    def _send(self, event: dict[str, Any]) -> None:
         for sink in self.sinks:
             try:
                 sink.emit(event)

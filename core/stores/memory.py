@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from taskonce.errors import LeaseLost
+from taskonce.errors import ConfigError, LeaseLost
 from taskonce.stores.base import Claim, ClaimOutcome, Record, Status, Store
 
 
@@ -148,6 +148,8 @@ class MemoryStore(Store):
             return None if entry is None else self._record(key, entry, now)
 
     def purge(self, batch: int = 1000) -> int:
+        if batch < 1:
+            raise ConfigError(f"purge batch={batch!r} is not valid; it must be at least 1")
         deleted = 0
         while True:
             with self._lock:

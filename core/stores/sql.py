@@ -1,0 +1,909 @@
+"""SQLStore: claims and marks in one table of PostgreSQL, MariaDB/MySQL or SQLite.
+
+Every decision about time (is a lease over, is a record expired) is taken by the database's own
+clock inside the statement that acts on it, never by the worker's clock. Store operations run on
+an ``AUTOCOMMIT`` engine, so a claim is one ``INSERT … ON CONFLICT DO NOTHING`` (``INSERT
+IGNORE`` on MariaDB/MySQL) round trip when the key is new; a record that is in the way is read
+and, when it is an expired record or a claim whose lease ran out, replaced by an optimistic
+``UPDATE`` whose ``WHERE`` repeats what was read, so two racing workers can never both win.
+
+Transactional mode (``Policy(transactional=True)``) uses a second engine with ordinary
+transactions: :meth:`SQLStore.open_session` hands the guard a begun
+:class:`~sqlalchemy.orm.Session`, the handler writes through it, and :meth:`SQLStore.mark_in` /
+:meth:`SQLStore.complete_in` write the mark in the same transaction, which the guard commits or
+rolls back.
+
+The table::
+
+    key          VARCHAR(255) PRIMARY KEY    -- binary (case- and space-exact) on MariaDB/MySQL
+    status       VARCHAR(16)  NOT NULL       -- 'in_progress' | 'completed'
+    owner        VARCHAR(64)  NULL           -- the claim's owner token, NULL for marks
+    fingerprint  VARCHAR(64)  NULL
+    result       TEXT         NULL           -- LONGTEXT on MariaDB/MySQL
+    created_at   DOUBLE       NOT NULL       -- seconds since the epoch, database clock
+    lease_until  DOUBLE       NOT NULL       -- 0 for marks
+    expires_at   DOUBLE       NOT NULL       -- indexed: purge deletes by it
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import sqlite3
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+try:
+    import sqlalchemy as sa
+    from sqlalchemy import event
+    from sqlalchemy import exc as sa_exc
+    from sqlalchemy.dialects import mysql as mysql_dialect
+    from sqlalchemy.dialects import postgresql as pg_dialect
+    from sqlalchemy.dialects import sqlite as sqlite_dialect
+    from sqlalchemy.engine import URL, Connection, Engine
+    from sqlalchemy.orm import Session
+    from sqlalchemy.pool import StaticPool
+except ImportError as _exc:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "the SQL store needs SQLAlchemy 2 and a driver: pip install 'taskonce[sql]'"
+    ) from _exc
+
+from ..errors import ConfigError, InvalidInput, LeaseLost, StoreUnavailable
+from .base import MAX_KEY_LENGTH, Claim, ClaimOutcome, Record, Status, Store
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_TABLE", "SQLStore", "init_db"]
+
+#: The table name used when none is given.
+DEFAULT_TABLE = "taskonce_keys"
+
+#: Owner tokens and fingerprints longer than this do not fit their columns.
+MAX_TOKEN_LENGTH = 64
+
+#: How many times a claim or mark retries after losing a race to another writer.
+_RACE_ATTEMPTS = 8
+
+#: Seconds the driver waits for a TCP connection / SQLite waits for a lock.
+_CONNECT_TIMEOUT = 5
+_SQLITE_BUSY_TIMEOUT = 30.0
+_MYSQL_IO_TIMEOUT = 60
+
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]{0,62}"
+_TABLE_RE = re.compile(rf"^(?:(?P<schema>{_IDENT})\.)?(?P<name>{_IDENT})$")
+
+#: The database's clock as seconds since the epoch (DOUBLE), per dialect family.
+#: MariaDB/MySQL: ``UTC_TIMESTAMP(6)`` measured from the epoch is independent of the session
+#: time zone (``UNIX_TIMESTAMP(NOW(6))`` is off by an hour in a DST fall-back hour).
+_NOW_SQL = {
+    "postgresql": "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)",
+    "mysql": "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) / 1e6)",
+    "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
+}
+
+_FAMILIES = {
+    "postgresql": "postgresql",
+    "postgres": "postgresql",
+    "mysql": "mysql",
+    "mariadb": "mysql",
+    "sqlite": "sqlite",
+}
+
+#: The driver used when a URL names none (``postgresql://`` → psycopg 3, ``mysql://`` → PyMySQL).
+_DEFAULT_DRIVERS = {"postgresql": "psycopg", "mysql": "pymysql", "mariadb": "pymysql"}
+
+#: The oldest SQLite with ``INSERT … ON CONFLICT DO NOTHING``; older ones use ``OR IGNORE``.
+_SQLITE_UPSERT = (3, 24, 0)
+
+_IN_PROGRESS = Status.IN_PROGRESS.value
+_COMPLETED = Status.COMPLETED.value
+
+
+def _parse_url(url: str) -> URL:
+    """``url`` as an SQLAlchemy URL, with the default driver filled in where none is named."""
+    if not isinstance(url, str):
+        raise ConfigError(f"store URL must be a string, got {type(url).__name__}")
+    try:
+        parsed = sa.engine.make_url(url)
+    except sa_exc.ArgumentError as exc:
+        raise ConfigError(f"store URL is not an SQLAlchemy URL: {exc}") from None
+    backend = parsed.get_backend_name()
+    if backend not in _FAMILIES:
+        raise ConfigError(
+            f"store URL {parsed.render_as_string(hide_password=True)!r}: SQLStore supports "
+            "sqlite, postgresql, mysql and mariadb"
+        )
+    if backend == "postgres":
+        backend = "postgresql"
+    driver = parsed.get_driver_name() if "+" in parsed.drivername else None
+    if driver is None and backend in _DEFAULT_DRIVERS:
+        driver = _DEFAULT_DRIVERS[backend]
+    drivername = backend if driver is None else f"{backend}+{driver}"
+    return parsed.set(drivername=drivername)
+
+
+def _parse_table(table: str) -> tuple[str | None, str]:
+    """``(schema, name)`` of a table name; :class:`ConfigError` unless it is a plain identifier
+    (letters, digits, underscore, at most 63 characters) with at most one schema prefix."""
+    match = _TABLE_RE.match(table) if isinstance(table, str) else None
+    if match is None:
+        raise ConfigError(
+            f"table {table!r} is not a valid table name: use letters, digits and underscores "
+            "(at most 63, not starting with a digit), optionally 'schema.table'"
+        )
+    return match.group("schema"), match.group("name")
+
+
+def _index_name(name: str) -> str:
+    candidate = f"ix_{name}_expires_at"
+    if len(candidate) <= 63:
+        return candidate
+    digest = hashlib.sha1(name.encode(), usedforsecurity=False).hexdigest()[:8]
+    return f"ix_{name[:40]}_{digest}_expires_at"
+
+
+def _make_table(
+    metadata: sa.MetaData, name: str, schema: str | None, **dialect_kw: Any
+) -> sa.Table:
+    """The keys table; ``dialect_kw`` are DDL-only options (charset, collation)."""
+    result_type = sa.Text().with_variant(mysql_dialect.LONGTEXT(), "mysql", "mariadb")
+    table = sa.Table(
+        name,
+        metadata,
+        sa.Column("key", sa.String(MAX_KEY_LENGTH), primary_key=True),
+        sa.Column("status", sa.String(16), nullable=False),
+        sa.Column("owner", sa.String(MAX_TOKEN_LENGTH), nullable=True),
+        sa.Column("fingerprint", sa.String(MAX_TOKEN_LENGTH), nullable=True),
+        sa.Column("result", result_type, nullable=True),
+        sa.Column("created_at", sa.Double(), nullable=False),
+        sa.Column("lease_until", sa.Double(), nullable=False),
+        sa.Column("expires_at", sa.Double(), nullable=False),
+        schema=schema,
+        **dialect_kw,
+    )
+    sa.Index(_index_name(name), table.c.expires_at)
+    return table
+
+
+def _mysql_collation(connection: Connection) -> str:
+    """A binary collation that compares keys exactly (no case folding, no space padding)."""
+    dialect = connection.dialect
+    version = tuple(dialect.server_version_info or ())
+    if getattr(dialect, "is_mariadb", False):
+        return "utf8mb4_nopad_bin" if version >= (10, 2) else "utf8mb4_bin"
+    return "utf8mb4_0900_bin" if version >= (8, 0) else "utf8mb4_bin"
+
+
+def _check_key(key: str) -> None:
+    if not isinstance(key, str) or not key:
+        raise InvalidInput(f"key {key!r} must be a non-empty string")
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidInput(
+            f"key {key[:40]!r}… is {len(key)} characters; the limit is {MAX_KEY_LENGTH}"
+        )
+
+
+def _check_token(name: str, value: str | None) -> None:
+    if value is not None and len(value) > MAX_TOKEN_LENGTH:
+        raise InvalidInput(
+            f"{name} {value[:20]!r}… is {len(value)} characters; the limit is {MAX_TOKEN_LENGTH}"
+        )
+
+
+def _rowcount(result: Any) -> int:
+    count: int = result.rowcount
+    return count
+
+
+class _Statements:
+    """The statements of one table on one dialect family, built once and cached by
+    SQLAlchemy's compiled cache (every value is a bound parameter)."""
+
+    def __init__(self, table: sa.Table, family: str, sqlite_upsert: bool) -> None:
+        c = table.c
+        self.family = family
+        now: sa.ColumnElement[float] = sa.literal_column(_NOW_SQL[family], type_=sa.Double())
+        self.now = now
+        dbl: sa.Double[float] = sa.Double()
+        k = sa.bindparam("p_key", type_=sa.String())
+        owner = sa.bindparam("p_owner", type_=sa.String())
+        fp = sa.bindparam("p_fingerprint", type_=sa.String())
+        result = sa.bindparam("p_result", type_=sa.Text())
+        lease = sa.bindparam("p_lease", type_=dbl)
+        keep = sa.bindparam("p_keep", type_=dbl)
+        seen_owner = sa.bindparam("p_seen_owner", type_=sa.String())
+        seen_status = sa.bindparam("p_seen_status", type_=sa.String())
+        in_progress = sa.literal(_IN_PROGRESS, sa.String())
+        completed = sa.literal(_COMPLETED, sa.String())
+        zero = sa.literal(0.0, dbl)
+
+        self.lease_remaining = sa.case(
+            (sa.and_(c.status == in_progress, c.lease_until > now), c.lease_until - now),
+            else_=zero,
+        )
+
+        def insert_if_absent(values: Mapping[str, Any]) -> sa.Insert:
+            # The cursor of an INSERT without RETURNING is closed at once; its rowcount (1 =
+            # inserted, 0 = a record was in the way) must be kept explicitly.
+            return _insert_if_absent(values).execution_options(preserve_rowcount=True)
+
+        def _insert_if_absent(values: Mapping[str, Any]) -> sa.Insert:
+            if family == "postgresql":
+                return (
+                    pg_dialect.insert(table)
+                    .values(values)
+                    .on_conflict_do_nothing(index_elements=[c.key])
+                )
+            if family == "sqlite" and sqlite_upsert:
+                return (
+                    sqlite_dialect.insert(table)
+                    .values(values)
+                    .on_conflict_do_nothing(index_elements=[c.key])
+                )
+            if family == "sqlite":
+                return sa.insert(table).values(values).prefix_with("OR IGNORE")
+            return sa.insert(table).values(values).prefix_with("IGNORE")
+
+        # -- claim --------------------------------------------------------------------------
+        self.claim_insert = insert_if_absent(
+            {
+                "key": k,
+                "status": in_progress,
+                "owner": owner,
+                "fingerprint": fp,
+                "result": sa.null(),
+                "created_at": now,
+                "lease_until": now + lease,
+                "expires_at": now + lease + keep,
+            }
+        )
+        self.read = sa.select(
+            c.key,
+            c.status,
+            c.owner,
+            c.fingerprint,
+            c.result,
+            c.created_at,
+            c.expires_at,
+            c.lease_until,
+            self.lease_remaining.label("lease_remaining"),
+            now.label("db_now"),
+        ).where(c.key == k)
+        # An expired record (mark or claim) counts as absent: replace it wholesale, provided
+        # it is still the record that was read and still expired.
+        self.claim_replace_expired = (
+            sa.update(table)
+            .where(
+                c.key == k,
+                c.status == seen_status,
+                c.owner.is_not_distinct_from(seen_owner),
+                c.expires_at <= now,
+            )
+            .values(
+                status=in_progress,
+                owner=owner,
+                fingerprint=fp,
+                result=sa.null(),
+                created_at=now,
+                lease_until=now + lease,
+                expires_at=now + lease + keep,
+            )
+        )
+        # A live record whose claim's lease ran out: take it over (created_at is kept).
+        self.claim_take_over = (
+            sa.update(table)
+            .where(
+                c.key == k,
+                c.status == in_progress,
+                c.owner == seen_owner,
+                c.lease_until <= now,
+                c.expires_at > now,
+            )
+            .values(
+                owner=owner,
+                fingerprint=fp,
+                result=sa.null(),
+                lease_until=now + lease,
+                expires_at=now + lease + keep,
+            )
+        )
+
+        # -- fenced writes ------------------------------------------------------------------
+        fence = (
+            c.key == k,
+            c.owner == owner,
+            c.status == in_progress,
+            c.expires_at > now,
+        )
+        self.complete = (
+            sa.update(table)
+            .where(*fence)
+            .values(
+                status=completed,
+                owner=sa.null(),
+                result=result,
+                expires_at=now + keep,
+                lease_until=zero,
+            )
+        )
+        self.release = sa.delete(table).where(*fence)
+        self.release_any = sa.delete(table).where(c.key == k)
+        # MariaDB/MySQL evaluate SET assignments left to right, seeing earlier assignments:
+        # expires_at must be computed from the old lease_until, so it comes first.
+        extension = now + lease - c.lease_until
+        self.renew = (
+            sa.update(table)
+            .where(*fence)
+            .ordered_values(
+                (c.expires_at, c.expires_at + sa.case((extension > 0, extension), else_=zero)),
+                (c.lease_until, now + lease),
+            )
+        )
+
+        # -- marks --------------------------------------------------------------------------
+        self.mark_insert = insert_if_absent(
+            {
+                "key": k,
+                "status": completed,
+                "owner": sa.null(),
+                "fingerprint": fp,
+                "result": result,
+                "created_at": now,
+                "lease_until": zero,
+                "expires_at": now + keep,
+            }
+        )
+        self.mark_replace_expired = (
+            sa.update(table)
+            .where(c.key == k, c.expires_at <= now)
+            .values(
+                status=completed,
+                owner=sa.null(),
+                fingerprint=fp,
+                result=result,
+                created_at=now,
+                lease_until=zero,
+                expires_at=now + keep,
+            )
+        )
+        live = sa.case((c.expires_at > now, 1), else_=0).label("live")
+        self.liveness = sa.select(live).where(c.key == k)
+        # Inside a REPEATABLE READ transaction (InnoDB) a plain SELECT reads an old snapshot;
+        # a locking read sees the latest committed row.
+        self.liveness_locking = (
+            self.liveness.with_for_update(read=True) if family == "mysql" else self.liveness
+        )
+
+        # -- reads --------------------------------------------------------------------------
+        self.get = sa.select(
+            c.key,
+            c.status,
+            c.owner,
+            c.fingerprint,
+            c.result,
+            c.created_at,
+            c.expires_at,
+            self.lease_remaining.label("lease_remaining"),
+        ).where(c.key == k, c.expires_at > now)
+
+        def count(condition: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
+            return sa.func.coalesce(sa.func.sum(sa.case((condition, 1), else_=0)), 0)
+
+        alive = c.expires_at > now
+        self.stats = sa.select(
+            count(alive).label("keys"),
+            count(sa.and_(alive, c.status == in_progress)).label("in_progress"),
+            count(sa.and_(alive, c.status == completed)).label("completed"),
+            count(c.expires_at <= now).label("expired"),
+        )
+        self._table = table
+
+    def purge(self, batch: int) -> sa.Executable:
+        """Delete at most ``batch`` expired rows (the expiry is re-checked on the deleted rows,
+        so a row re-claimed meanwhile survives)."""
+        c = self._table.c
+        expired = c.expires_at <= self.now
+        if self.family == "mysql":
+            # MariaDB/MySQL refuse LIMIT inside IN (subquery) but allow DELETE … LIMIT, which
+            # SQLAlchemy spells differently across 2.0.x/2.1; the identifiers are validated
+            # and quoted, the limit is a bound parameter.
+            preparer = mysql_dialect.dialect().identifier_preparer
+            table_sql = preparer.format_table(self._table)  # validated by _TABLE_RE, quoted
+            return (
+                sa.text(
+                    f"DELETE FROM {table_sql} "  # noqa: S608 - no value is interpolated
+                    f"WHERE {preparer.quote('expires_at')} <= {_NOW_SQL['mysql']} LIMIT :p_batch"
+                )
+                .bindparams(sa.bindparam("p_batch", value=batch, type_=sa.Integer()))
+                .execution_options(preserve_rowcount=True)
+            )
+        chosen = sa.select(c.key).where(expired).limit(batch)
+        if self.family == "postgresql":
+            chosen = chosen.with_for_update(skip_locked=True)
+        return sa.delete(self._table).where(c.key.in_(chosen.scalar_subquery()), expired)
+
+
+def _after_fork_in_child(ref: weakref.ReferenceType[SQLStore]) -> None:
+    store = ref()
+    if store is not None:
+        store._after_fork()
+
+
+#: Connections inherited by a forked child are kept referenced here so that garbage
+#: collection never closes them in the child: closing an inherited SQLite handle can disturb
+#: the parent's locks. (psycopg and PyMySQL close an inherited socket without telling the
+#: server, so theirs may go.)
+_INHERITED: list[Any] = []
+
+
+class SQLStore(Store):
+    """Claims and marks in one SQL table, judged by the database's clock.
+
+    :param url: an SQLAlchemy URL: ``postgresql+psycopg://…``, ``mysql+pymysql://…``,
+        ``mariadb+pymysql://…``, ``sqlite:///path.db``. ``postgresql://`` and ``postgres://``
+        mean psycopg 3, ``mysql://`` and ``mariadb://`` mean PyMySQL.
+    :param table: the table's name, optionally ``schema.table``.
+    :param create: create the table (and its index) if missing, on first use.
+    :param engine_options: extra keyword arguments for :func:`sqlalchemy.create_engine`
+        (``pool_size``, ``pool_pre_ping``, ``connect_args`` merged over the defaults, …). The
+        store's own engine always runs in ``AUTOCOMMIT``; an ``isolation_level`` given here
+        applies to the transactional engine only.
+    """
+
+    schemes = ("sqlite", "postgresql", "mysql", "mariadb")
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        table: str = DEFAULT_TABLE,
+        create: bool = True,
+        engine_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._url = _parse_url(url)
+        self._family = _FAMILIES[self._url.get_backend_name()]
+        self._schema, self._table_name = _parse_table(table)
+        self._table_label = table
+        self._redacted = self._url.render_as_string(hide_password=True)
+        self._password = self._url.password if isinstance(self._url.password, str) else None
+        self._options = dict(engine_options or {})
+        self._memory = self._family == "sqlite" and self._url.database in (None, "", ":memory:")
+        self._lock = threading.Lock()
+        self._ready = not create
+        self._metadata = sa.MetaData()
+        self._table = _make_table(self._metadata, self._table_name, self._schema)
+        upsert = sqlite3.sqlite_version_info >= _SQLITE_UPSERT
+        if self._family == "sqlite" and not upsert:
+            logger.info(
+                "SQLite %s predates ON CONFLICT; using INSERT OR IGNORE", sqlite3.sqlite_version
+            )
+        self._sql = _Statements(self._table, self._family, upsert)
+        self._engine = self._make_engine(autocommit=True)
+        self._tx_engine: Engine | None = None
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _after_fork_in_child(ref))
+
+    # -- engines -----------------------------------------------------------------------------
+
+    def _make_engine(self, *, autocommit: bool) -> Engine:
+        options = dict(self._options)
+        user_connect_args = dict(options.pop("connect_args", None) or {})
+        user_isolation = options.pop("isolation_level", None)
+        connect_args: dict[str, Any] = {}
+        query = self._url.query
+        if self._family == "postgresql" and "connect_timeout" not in query:
+            connect_args["connect_timeout"] = _CONNECT_TIMEOUT
+        elif self._family == "mysql":
+            if "connect_timeout" not in query:
+                connect_args["connect_timeout"] = _CONNECT_TIMEOUT
+            if autocommit and self._url.get_driver_name() == "pymysql":
+                # PyMySQL's connect_timeout covers the TCP connect only; the handshake and every
+                # query wait up to read_timeout. The store's statements are short (row-lock waits
+                # end at innodb_lock_wait_timeout, 50 s by default), so a silent server is
+                # reported instead of hanging the worker.
+                for name in ("read_timeout", "write_timeout"):
+                    if name not in query:
+                        connect_args[name] = _MYSQL_IO_TIMEOUT
+        elif self._family == "sqlite":
+            connect_args["timeout"] = _SQLITE_BUSY_TIMEOUT
+            connect_args["check_same_thread"] = False
+        connect_args.update(user_connect_args)
+        if self._family != "sqlite":
+            options.setdefault("pool_recycle", 1800)
+        if self._memory:
+            options.setdefault("poolclass", StaticPool)
+        if autocommit:
+            options["isolation_level"] = "AUTOCOMMIT"
+        elif user_isolation is not None:
+            options["isolation_level"] = user_isolation
+        try:
+            engine = sa.create_engine(self._url, connect_args=connect_args, **options)
+        except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, ImportError, TypeError) as exc:
+            raise ConfigError(
+                f"store URL {self._redacted!r}: cannot build an engine: {exc}"
+            ) from None
+        if self._family == "sqlite":
+            self._configure_sqlite(engine, transactional=not autocommit)
+        return engine
+
+    def _configure_sqlite(self, engine: Engine, *, transactional: bool) -> None:
+        memory = self._memory
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+            if transactional:
+                # Let SQLAlchemy's begin event issue BEGIN (below) instead of the driver's
+                # implicit, deferred one.
+                dbapi_connection.isolation_level = None
+            if not memory:
+                cursor = dbapi_connection.cursor()
+                try:
+                    cursor.execute("PRAGMA journal_mode=WAL")
+                finally:
+                    cursor.close()
+
+        if transactional:
+
+            @event.listens_for(engine, "begin")
+            def _on_begin(connection: Connection) -> None:
+                # IMMEDIATE takes the write lock up front (waiting up to the busy timeout), so a
+                # transaction that read first never fails to upgrade to a writer.
+                connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    def _transactional_engine(self) -> Engine:
+        engine = self._tx_engine
+        if engine is None:
+            with self._lock:
+                if self._tx_engine is None:
+                    self._tx_engine = self._make_engine(autocommit=False)
+                engine = self._tx_engine
+        return engine
+
+    def _after_fork(self) -> None:
+        """In a forked child: forget (without closing) every pooled connection of the parent."""
+        self._lock = threading.Lock()
+        for engine in (self._engine, self._tx_engine):
+            if engine is None:
+                continue
+            if self._family == "sqlite":
+                _INHERITED.extend(_pooled_dbapi_connections(engine))
+            engine.dispose(close=False)
+
+    # -- errors ------------------------------------------------------------------------------
+
+    def _unavailable(self, operation: str, exc: BaseException) -> StoreUnavailable:
+        detail = exc.orig if isinstance(exc, sa_exc.DBAPIError) else exc
+        text = str(detail).strip().splitlines()[0] if str(detail).strip() else type(detail).__name__
+        if self._password:
+            text = text.replace(self._password, "***")
+        return StoreUnavailable(
+            f"SQL store {self._redacted} failed during {operation}: {type(detail).__name__}: {text}"
+        )
+
+    @contextlib.contextmanager
+    def _errors(self, operation: str) -> Iterator[None]:
+        try:
+            yield
+        except (sa_exc.DBAPIError, sa_exc.TimeoutError) as exc:
+            # DBAPIError covers OperationalError, InterfaceError and invalidated connections;
+            # anything the database refuses (a missing table, permissions) also means the
+            # store cannot answer.
+            raise self._unavailable(operation, exc) from exc
+
+    @contextlib.contextmanager
+    def _connect(self, operation: str) -> Iterator[Connection]:
+        self._ensure_ready(operation)
+        with self._errors(operation), self._engine.connect() as connection:
+            yield connection
+
+    # -- schema ------------------------------------------------------------------------------
+
+    def _ensure_ready(self, operation: str) -> None:
+        if self._ready:
+            return
+        with self._lock:
+            if self._ready:
+                return
+            self._create_tables(operation)
+
+    def create_tables(self) -> bool:
+        """Create the table and its index unless they exist (safe to run concurrently from
+        several processes). True when this call created the table."""
+        with self._lock:
+            return self._create_tables("create_tables")
+
+    def _create_tables(self, operation: str) -> bool:
+        created = False
+        with self._errors(operation), self._engine.connect() as connection:
+            for attempt in range(4):
+                inspector = sa.inspect(connection)
+                if inspector.has_table(self._table_name, schema=self._schema):
+                    break
+                metadata = sa.MetaData()
+                dialect_kw: dict[str, Any] = {}
+                if self._family == "mysql":
+                    collation = _mysql_collation(connection)
+                    prefix = self._url.get_backend_name()
+                    dialect_kw = {
+                        f"{prefix}_engine": "InnoDB",
+                        f"{prefix}_charset": "utf8mb4",
+                        f"{prefix}_collate": collation,
+                    }
+                table = _make_table(metadata, self._table_name, self._schema, **dialect_kw)
+                try:
+                    metadata.create_all(connection, tables=[table], checkfirst=True)
+                except sa_exc.DBAPIError as exc:
+                    # Another process may have created it between the check and the CREATE.
+                    if exc.connection_invalidated or attempt == 3:
+                        raise
+                    logger.debug("creating %s raced (%s); checking again", self._table_label, exc)
+                    time.sleep(0.05 * (attempt + 1))
+                    continue
+                created = True
+                logger.info("created table %s in %s", self._table_label, self._redacted)
+                break
+        self._ready = True
+        return created
+
+    # -- Store -------------------------------------------------------------------------------
+
+    def claim(
+        self, key: str, owner: str, lease: float, keep_for: float, fingerprint: str | None
+    ) -> Claim:
+        _check_key(key)
+        _check_token("owner", owner)
+        _check_token("fingerprint", fingerprint)
+        params = {
+            "p_key": key,
+            "p_owner": owner,
+            "p_fingerprint": fingerprint,
+            "p_lease": float(lease),
+            "p_keep": float(keep_for),
+        }
+        sql = self._sql
+        with self._connect("claim") as connection:
+            for _ in range(_RACE_ATTEMPTS):
+                if _rowcount(connection.execute(sql.claim_insert, params)) == 1:
+                    return Claim(ClaimOutcome.CLAIMED)
+                row = connection.execute(sql.read, {"p_key": key}).one_or_none()
+                if row is None:  # released or purged in between: insert again
+                    continue
+                (_, status, seen_owner, seen_fp, _, _, expires_at, lease_until, _, now) = row
+                if float(expires_at) <= float(now):
+                    seen = {**params, "p_seen_owner": seen_owner, "p_seen_status": status}
+                    if _rowcount(connection.execute(sql.claim_replace_expired, seen)) == 1:
+                        return Claim(ClaimOutcome.CLAIMED)
+                    continue
+                expired_claim = status == _IN_PROGRESS and float(lease_until) <= float(now)
+                same_payload = seen_fp is None or fingerprint is None or seen_fp == fingerprint
+                if not (expired_claim and same_payload):
+                    return Claim(ClaimOutcome.EXISTS, _record(row))
+                seen = {**params, "p_seen_owner": seen_owner}
+                if _rowcount(connection.execute(sql.claim_take_over, seen)) == 1:
+                    logger.debug("key %s: took over the expired claim of %s", key, seen_owner)
+                    return Claim(ClaimOutcome.TAKEN_OVER)
+                logger.debug("key %s: lost a take-over race; reading again", key)
+        raise StoreUnavailable(
+            f"SQL store {self._redacted}: claim of {key!r} kept losing races with other "
+            f"writers ({_RACE_ATTEMPTS} attempts)"
+        )
+
+    def complete(self, key: str, owner: str, keep_for: float, result: str | None) -> None:
+        params = {"p_key": key, "p_owner": owner, "p_keep": float(keep_for), "p_result": result}
+        with self._connect("complete") as connection:
+            count = _rowcount(connection.execute(self._sql.complete, params))
+        if count != 1:
+            raise LeaseLost(key, "complete")
+
+    def release(self, key: str, owner: str | None) -> None:
+        with self._connect("release") as connection:
+            if owner is None:
+                connection.execute(self._sql.release_any, {"p_key": key})
+                return
+            count = _rowcount(
+                connection.execute(self._sql.release, {"p_key": key, "p_owner": owner})
+            )
+        if count != 1:
+            raise LeaseLost(key, "release")
+
+    def renew(self, key: str, owner: str, lease: float) -> None:
+        params = {"p_key": key, "p_owner": owner, "p_lease": float(lease)}
+        with self._connect("renew") as connection:
+            count = _rowcount(connection.execute(self._sql.renew, params))
+        if count != 1:
+            raise LeaseLost(key, "renew")
+
+    def mark(self, key: str, keep_for: float, fingerprint: str | None, result: str | None) -> bool:
+        _check_key(key)
+        _check_token("fingerprint", fingerprint)
+        with self._connect("mark") as connection:
+            return self._mark(connection, key, keep_for, fingerprint, result, locking=False)
+
+    def _mark(
+        self,
+        connection: Connection,
+        key: str,
+        keep_for: float,
+        fingerprint: str | None,
+        result: str | None,
+        *,
+        locking: bool,
+    ) -> bool:
+        sql = self._sql
+        params = {
+            "p_key": key,
+            "p_fingerprint": fingerprint,
+            "p_result": result,
+            "p_keep": float(keep_for),
+        }
+        liveness = sql.liveness_locking if locking else sql.liveness
+        for _ in range(_RACE_ATTEMPTS):
+            if _rowcount(connection.execute(sql.mark_insert, params)) == 1:
+                return True
+            if _rowcount(connection.execute(sql.mark_replace_expired, params)) == 1:
+                return True
+            live = connection.execute(liveness, {"p_key": key}).scalar_one_or_none()
+            if live is not None and int(live) == 1:
+                return False
+            logger.debug("key %s: the record in the way of a mark changed; trying again", key)
+        raise StoreUnavailable(
+            f"SQL store {self._redacted}: mark of {key!r} kept losing races with other writers "
+            f"({_RACE_ATTEMPTS} attempts)"
+        )
+
+    def get(self, key: str) -> Record | None:
+        with self._connect("get") as connection:
+            row = connection.execute(self._sql.get, {"p_key": key}).one_or_none()
+        return None if row is None else _record(row)
+
+    def purge(self, batch: int = 1000) -> int:
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ConfigError(f"batch must be a positive integer, got {batch!r}")
+        statement = self._sql.purge(batch)
+        deleted = 0
+        with self._connect("purge") as connection:
+            while True:
+                count = _rowcount(connection.execute(statement))
+                deleted += count
+                if count < batch:
+                    break
+        if deleted:
+            logger.info("purged %d expired records from %s", deleted, self._table_label)
+        return deleted
+
+    def stats(self) -> Mapping[str, int]:
+        with self._connect("stats") as connection:
+            row = connection.execute(self._sql.stats).one()
+        keys, in_progress, completed, expired = (int(value or 0) for value in row)
+        return {
+            "keys": keys,
+            "in_progress": in_progress,
+            "completed": completed,
+            "expired": expired,
+        }
+
+    def close(self) -> None:
+        self._engine.dispose()
+        if self._tx_engine is not None:
+            self._tx_engine.dispose()
+
+    def describe(self) -> str:
+        return f"SQLStore {self._redacted} (table {self._table_label})"
+
+    # -- transactional mode ------------------------------------------------------------------
+
+    def open_session(self) -> Session:
+        """A :class:`~sqlalchemy.orm.Session` on the transactional engine, already begun.
+
+        The handler writes through it; :meth:`complete_in` or :meth:`mark_in` add the mark to
+        the same transaction, and the caller commits or rolls back. On PostgreSQL and
+        MariaDB/MySQL the connection is taken at once (so an unreachable database shows up
+        here as :class:`StoreUnavailable`); on SQLite it is taken, with ``BEGIN IMMEDIATE``,
+        on the session's first statement so other writers are not held up meanwhile.
+        """
+        if self._memory:
+            raise ConfigError(
+                f"transactional mode needs a database file or server; {self._redacted} is an "
+                "in-memory SQLite database private to one connection"
+            )
+        self._ensure_ready("open_session")
+        engine = self._transactional_engine()
+        session = Session(bind=engine)
+        try:
+            with self._errors("open_session"):
+                session.begin()
+                if self._family != "sqlite":
+                    session.connection()
+        except BaseException:
+            session.close()
+            raise
+        return session
+
+    def complete_in(
+        self, session: Session, key: str, owner: str, keep_for: float, result: str | None
+    ) -> None:
+        """:meth:`complete`, written through ``session``'s transaction (not committed here).
+
+        :class:`LeaseLost` when the claim is no longer ``owner``'s.
+        """
+        params = {"p_key": key, "p_owner": owner, "p_keep": float(keep_for), "p_result": result}
+        with self._errors("complete_in"):
+            count = _rowcount(session.connection().execute(self._sql.complete, params))
+        if count != 1:
+            raise LeaseLost(key, "complete")
+
+    def mark_in(
+        self,
+        session: Session,
+        key: str,
+        keep_for: float,
+        fingerprint: str | None,
+        result: str | None,
+    ) -> bool:
+        """:meth:`mark`, written through ``session``'s transaction (not committed here).
+
+        A concurrent transaction's uncommitted mark of the same key makes this wait for it
+        (PostgreSQL, InnoDB; SQLite serialises write transactions anyway): when it commits this
+        returns False — a concurrent duplicate, so the caller rolls back — and when it rolls
+        back this writes the mark and returns True.
+        """
+        _check_key(key)
+        _check_token("fingerprint", fingerprint)
+        with self._errors("mark_in"):
+            return self._mark(
+                session.connection(), key, keep_for, fingerprint, result, locking=True
+            )
+
+
+def _record(row: Any) -> Record:
+    key, status, owner, fingerprint, result, created_at, expires_at = row[:7]
+    return Record(
+        key=key,
+        status=Status(status),
+        owner=owner,
+        fingerprint=fingerprint,
+        result=result,
+        created_at=float(created_at),
+        expires_at=float(expires_at),
+        lease_remaining=float(row.lease_remaining),
+    )
+
+
+def _pooled_dbapi_connections(engine: Engine) -> list[Any]:
+    """The driver connections idle in ``engine``'s pool (best effort, pool internals)."""
+    found: list[Any] = []
+    pool: Any = engine.pool
+    records: list[Any] = []
+    queue = getattr(getattr(pool, "_pool", None), "queue", None)
+    if queue is not None:
+        records.extend(list(queue))
+    for attr in ("_conn", "connection"):  # StaticPool
+        value = getattr(pool, attr, None)
+        if value is not None and not callable(value):
+            records.append(value)
+    for record in records:
+        dbapi_connection = getattr(record, "dbapi_connection", None)
+        if dbapi_connection is not None:
+            found.append(dbapi_connection)
+    return found
+
+
+def init_db(url: str, table: str = DEFAULT_TABLE) -> str:
+    """Create the keys table (and its index) at ``url`` unless it exists; a one-line summary.
+
+    Used by ``taskonce init-db``. Raises :class:`ConfigError` for a bad URL or table name and
+    :class:`StoreUnavailable` when the database cannot be reached.
+    """
+    store = SQLStore(url, table=table, create=False)
+    try:
+        created = store.create_tables()
+    finally:
+        store.close()
+    verb = "created" if created else "already present:"
+    return f"{verb} table {table} in {store._redacted}"
