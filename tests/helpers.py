@@ -94,3 +94,51 @@ def drop_store(store: Store) -> None:
     elif store.__class__.__name__ == "SQLStore":
         store._table.drop(store._engine, checkfirst=True)  # type: ignore[attr-defined]
     store.close()
+
+
+class RedisServer:
+    """A throwaway redis-server on a free port, stopped (only it) by its pid."""
+
+    def __init__(self, password: str | None = None) -> None:
+        self.port = free_port()
+        self.password = password
+        self.process: Any = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        import shutil
+        import subprocess
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            message = "redis-server is not installed (apt-get install redis-server)"
+            if IN_CI:
+                pytest.fail(message)
+            pytest.skip(message)
+        command = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        command += ["--appendonly", "no", "--daemonize", "no", "--logfile", ""]
+        if self.password:
+            command += ["--requirepass", self.password]
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+
+        def answers() -> bool:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return True
+            except OSError:
+                return False
+
+        wait_for(answers, timeout=10, what=f"redis-server on port {self.port}")
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
