@@ -79,7 +79,7 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         from taskonce.dramatiq_ext.demo import run_demo
     else:
         from taskonce.celery_ext.demo import run_demo
-    return run_demo(store=args.store, broker=args.broker, count=args.count, out=out)
+    return int(run_demo(store=args.store, broker=args.broker, count=args.count, out=out))
 
 
 def build_parser() -> argparse.ArgumentParser:

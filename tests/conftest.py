@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from taskonce.stores import Store
 
+from taskonce.stores import Store
 from tests.helpers import STORE_KINDS, drop_store, make_store
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 import taskonce
 from taskonce.stores import Store
 

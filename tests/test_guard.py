@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 import pytest
+
 import taskonce
 from taskonce import Decision, Delivery, Guard, Policy
 from taskonce.errors import (

@@ -20,10 +20,10 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+
 from taskonce import Decision, Delivery, Guard, Policy
 from taskonce.errors import LeaseLost
 from taskonce.stores import Status
-
 from tests.helpers import drop_store, make_store, wait_for
 
 LEASE = 1.0

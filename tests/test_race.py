@@ -42,8 +42,10 @@ def _child(store: object, runs_table: str, barrier: object, out: Path, worker: i
             counts["deferred"] += 1
             # a broker would deliver it again after the lease; here: once the owner is done
             wait_for(
-                lambda key=key: (r := guard.store.get(f"race:{key}")) is not None
-                and r.status is Status.COMPLETED,
+                lambda key=key: (
+                    (r := guard.store.get(f"race:{key}")) is not None
+                    and r.status is Status.COMPLETED
+                ),
                 timeout=30,
             )
             assert guard.run(key, "race", charge, key).status == "skipped"

@@ -7,9 +7,9 @@ import time
 import uuid
 
 import pytest
+
 from taskonce.errors import LeaseLost
 from taskonce.stores import ClaimOutcome, Status, Store
-
 from tests.helpers import wait_for
 
 LONG = 60.0

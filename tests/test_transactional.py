@@ -51,9 +51,7 @@ def write_effect(effects: str, key: str, note: str = "") -> None:
 
 
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
-def test_success_commits_the_row_and_the_mark_together(
-    db: tuple[SQLStore, str], mode: str
-) -> None:
+def test_success_commits_the_row_and_the_mark_together(db: tuple[SQLStore, str], mode: str) -> None:
     store, effects = db
     guard = Guard(store, default=Policy(mode=mode, transactional=True))
     assert guard.run("m1", "pay", write_effect, effects, "m1").status == "ran"
@@ -99,9 +97,7 @@ def test_two_lazy_deliveries_that_both_ran_leave_one_row(db: tuple[SQLStore, str
     guard.finish(second)
     # the first delivery's handler writes through its own session, then loses at the mark
     assert first._session is not None
-    first._session.execute(
-        sa.text(f"INSERT INTO {effects} (key, note) VALUES ('m1', 'first')")
-    )
+    first._session.execute(sa.text(f"INSERT INTO {effects} (key, note) VALUES ('m1', 'first')"))
     guard.finish(first)
     assert rows(store, effects) == [("m1", "second")]
     assert events == ["marked", "concurrent_duplicate"]

@@ -40,6 +40,7 @@ import redis.exceptions
 from redis.backoff import NoBackoff
 from redis.commands.core import Script
 from redis.retry import Retry
+
 from taskonce.errors import ConfigError, LeaseLost, StoreUnavailable
 from taskonce.stores import redact
 from taskonce.stores.base import Claim, ClaimOutcome, Record, Status, Store
