@@ -1,0 +1,131 @@
+"""Property test of the store contract, against every store: random sequences of claim,
+complete, release, renew, mark and get, compared with a plain model of the contract."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from taskonce.errors import LeaseLost
+from taskonce.stores import ClaimOutcome, Status
+from tests.helpers import STORE_KINDS, drop_store, make_store
+
+KEYS = st.sampled_from(("q:a", "q:b", "other:a"))
+OWNERS = st.sampled_from(("o1", "o2", "o3"))
+FINGERPRINTS = st.sampled_from((None, "f1", "f2"))
+RESULTS = st.sampled_from((None, "1", '{"x":[1,2]}', '"\\u00e9t\\u00e9"'))
+LEASE, KEEP = 600.0, 3600.0  # nothing expires during one example: expiry has its own tests
+
+
+def machine_for(kind: str) -> type[RuleBasedStateMachine]:
+    class StoreMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tmp = tempfile.TemporaryDirectory()
+            self.store = make_store(kind, self.tmp.name)
+            # the model: key -> (status, owner, fingerprint, result)
+            self.model: dict[str, tuple[Status, str | None, str | None, str | None]] = {}
+
+        def fenced(self, key: str, owner: str) -> bool:
+            entry = self.model.get(key)
+            return entry is not None and entry[0] is Status.IN_PROGRESS and entry[1] == owner
+
+        @rule(key=KEYS, owner=OWNERS, fp=FINGERPRINTS)
+        def claim(self, key: str, owner: str, fp: str | None) -> None:
+            claim = self.store.claim(key, owner, LEASE, KEEP, fp)
+            if key in self.model:
+                assert claim.outcome is ClaimOutcome.EXISTS
+                assert claim.record is not None
+                status, holder, recorded_fp, result = self.model[key]
+                assert (claim.record.status, claim.record.owner) == (status, holder)
+                assert (claim.record.fingerprint, claim.record.result) == (recorded_fp, result)
+            else:
+                assert claim.outcome is ClaimOutcome.CLAIMED
+                self.model[key] = (Status.IN_PROGRESS, owner, fp, None)
+
+        @rule(key=KEYS, owner=OWNERS, result=RESULTS)
+        def complete(self, key: str, owner: str, result: str | None) -> None:
+            expected = self.fenced(key, owner)
+            try:
+                self.store.complete(key, owner, KEEP, result)
+            except LeaseLost:
+                assert not expected, "complete refused for the owner"
+                return
+            assert expected, "complete accepted from a non-owner"
+            self.model[key] = (Status.COMPLETED, None, self.model[key][2], result)
+
+        @rule(key=KEYS, owner=st.one_of(st.none(), OWNERS))
+        def release(self, key: str, owner: str | None) -> None:
+            expected = owner is None or self.fenced(key, owner)
+            try:
+                self.store.release(key, owner)
+            except LeaseLost:
+                assert not expected, "release refused"
+                return
+            assert expected, "release accepted from a non-owner"
+            self.model.pop(key, None)
+
+        @rule(key=KEYS, owner=OWNERS)
+        def renew(self, key: str, owner: str) -> None:
+            expected = self.fenced(key, owner)
+            try:
+                self.store.renew(key, owner, LEASE)
+            except LeaseLost:
+                assert not expected, "renew refused for the owner"
+                return
+            assert expected, "renew accepted from a non-owner"
+
+        @rule(key=KEYS, fp=FINGERPRINTS, result=RESULTS)
+        def mark(self, key: str, fp: str | None, result: str | None) -> None:
+            wrote = self.store.mark(key, KEEP, fp, result)
+            assert wrote is (key not in self.model)
+            if wrote:
+                self.model[key] = (Status.COMPLETED, None, fp, result)
+
+        @invariant()
+        def records_match_the_model(self) -> None:
+            for key in ("q:a", "q:b", "other:a"):
+                record = self.store.get(key)
+                entry = self.model.get(key)
+                if entry is None:
+                    assert record is None
+                    continue
+                assert record is not None
+                assert (record.status, record.owner, record.fingerprint, record.result) == entry
+                if record.status is Status.IN_PROGRESS:
+                    assert 0 < record.lease_remaining <= LEASE
+                else:
+                    assert record.lease_remaining == 0
+
+        @invariant()
+        def stats_match_the_model(self) -> None:
+            stats = self.store.stats()
+            in_progress = sum(1 for e in self.model.values() if e[0] is Status.IN_PROGRESS)
+            assert (stats["keys"], stats["in_progress"]) == (len(self.model), in_progress)
+
+        def teardown(self) -> None:
+            drop_store(self.store)
+            self.tmp.cleanup()
+
+    StoreMachine.__name__ = f"StoreMachine_{kind}"
+    return StoreMachine
+
+
+EXAMPLES = {"memory": 150, "redis": 40, "postgresql": 25, "mariadb": 25, "sqlite": 25}
+
+
+@pytest.mark.parametrize("kind", STORE_KINDS)
+def test_store_follows_the_contract(kind: str) -> None:
+    machine: Any = machine_for(kind)
+    machine.TestCase.settings = settings(
+        max_examples=EXAMPLES[kind],
+        stateful_step_count=30,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    machine.TestCase("runTest").runTest()
