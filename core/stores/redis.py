@@ -83,21 +83,27 @@ _CLAIM = (
 local h = redis.call('HMGET', KEYS[1], 'st', 'ow', 'fp', 'rs', 'ca', 'lu', 'ex')
 local outcome = 1
 local created = now
-if h[1] and tonumber(h[7]) > now then
-  local expired_claim = h[1] == 'i' and tonumber(h[6]) <= now
-  local same_payload = (not h[3]) or ARGV[4] ~= '1' or h[3] == ARGV[5]
-  if not (expired_claim and same_payload) then
-    return {now, h[1], h[2], h[3], h[4], h[5], h[6], h[7]}
+if h[1] then
+  if tonumber(h[7]) > now then
+    local expired_claim = h[1] == 'i' and tonumber(h[6]) <= now
+    local same_payload = (not h[3]) or ARGV[4] ~= '1' or h[3] == ARGV[5]
+    if not (expired_claim and same_payload) then
+      return {now, h[1], h[2], h[3], h[4], h[5], h[6], h[7]}
+    end
+    outcome = 2
+    created = tonumber(h[5])
   end
-  outcome = 2
-  created = tonumber(h[5])
+  redis.call('DEL', KEYS[1])
 end
 local lease_until = now + tonumber(ARGV[2])
 local expires = lease_until + tonumber(ARGV[3])
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'st', 'i', 'ow', ARGV[1], 'ca', ms(created),
-           'lu', ms(lease_until), 'ex', ms(expires))
-if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'fp', ARGV[5]) end
+if ARGV[4] == '1' then
+  redis.call('HSET', KEYS[1], 'st', 'i', 'ow', ARGV[1], 'ca', ms(created),
+             'lu', ms(lease_until), 'ex', ms(expires), 'fp', ARGV[5])
+else
+  redis.call('HSET', KEYS[1], 'st', 'i', 'ow', ARGV[1], 'ca', ms(created),
+             'lu', ms(lease_until), 'ex', ms(expires))
+end
 redis.call('PEXPIREAT', KEYS[1], ms(expires))
 return outcome
 """
@@ -116,9 +122,13 @@ _COMPLETE = (
     + _OWNED
     + """
 local expires = now + tonumber(ARGV[2])
-redis.call('HDEL', KEYS[1], 'ow', 'lu', 'rs')
-redis.call('HSET', KEYS[1], 'st', 'c', 'ex', ms(expires))
-if ARGV[3] == '1' then redis.call('HSET', KEYS[1], 'rs', ARGV[4]) end
+if ARGV[3] == '1' then
+  redis.call('HDEL', KEYS[1], 'ow', 'lu')
+  redis.call('HSET', KEYS[1], 'st', 'c', 'ex', ms(expires), 'rs', ARGV[4])
+else
+  redis.call('HDEL', KEYS[1], 'ow', 'lu', 'rs')
+  redis.call('HSET', KEYS[1], 'st', 'c', 'ex', ms(expires))
+end
 redis.call('PEXPIREAT', KEYS[1], ms(expires))
 return 1
 """
@@ -338,7 +348,21 @@ class RedisStore(Store):
             raise
 
     def _run(self, operation: str, script: Script, key: str, args: Sequence[Any]) -> Any:
-        return self._call(operation, key, lambda: script(keys=[self._key(key)], args=list(args)))
+        # EVALSHA straight on the client: redis-py's Script.__call__ costs a measurable share
+        # of a round trip (bench/store_ops.py). Script.__call__ remains the NOSCRIPT path: it
+        # loads the script (after a restart or SCRIPT FLUSH) and runs it.
+        name = self._key(key)
+        try:
+            try:
+                return self._client.evalsha(script.sha, 1, name, *args)
+            except redis.exceptions.NoScriptError:
+                return script(keys=[name], args=list(args))
+        except _UNAVAILABLE as exc:
+            self._unavailable(operation, key, exc)
+        except redis.exceptions.ResponseError as exc:
+            if str(exc).startswith(("BUSY", "LOADING", "MASTERDOWN")):
+                self._unavailable(operation, key, exc)
+            raise
 
     def _record(self, key: str, reply: Sequence[Any]) -> Record:
         """A Record from the scripts' ``{now, st, ow, fp, rs, ca, lu, ex}`` reply."""

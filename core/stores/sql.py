@@ -520,6 +520,9 @@ class SQLStore(Store):
             options.setdefault("poolclass", StaticPool)
         if autocommit:
             options["isolation_level"] = "AUTOCOMMIT"
+            # The pool's reset-on-return ROLLBACK is a round trip on PyMySQL even in autocommit
+            # mode, doubling every MariaDB store operation (bench/store_ops.py counts them).
+            options.setdefault("skip_autocommit_rollback", True)
         elif user_isolation is not None:
             options["isolation_level"] = user_isolation
         try:
