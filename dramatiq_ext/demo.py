@@ -1,0 +1,538 @@
+"""``taskonce demo --framework dramatiq``: duplicate deliveries against real Dramatiq workers.
+
+:func:`run_demo` starts two ``dramatiq`` workers (one process, two threads each) on
+:mod:`taskonce.dramatiq_ext.demo_app`, sends ``count`` guarded "charge" messages, re-publishes
+every fifth one with the same message id (a producer that sent twice), SIGKILLs the worker
+process in the middle of one charge (the broker gives that message — and whatever else the
+dead process had fetched — back to the other worker; the charge runs again once the dead
+claim's lease is out), draws a progress bar, and prints what happened: sent, delivered, ran,
+duplicates skipped, and the ledger's balance against the expected one.
+
+The store defaults to an SQLite file in a temporary directory (transactional: each ledger row
+commits with its mark). Dramatiq has no SQL broker, so the embedded broker is Redis:
+
+1. a private ``redis-server`` the demo starts on a free port in its temporary directory (no
+   persistence) and stops afterwards, when the ``redis-server`` binary is on ``PATH``;
+2. otherwise the Redis at ``redis://127.0.0.1:6379/0``, when it answers, under a random key
+   namespace that is deleted afterwards (the output says so);
+3. otherwise the demo stops and says how to give it a broker.
+
+``--broker redis://…`` or ``--broker amqp://…`` uses a real broker; everything the demo
+creates there carries a random name and is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, TextIO
+
+#: every n-th charge is published a second time with the same message id
+DUPLICATE_EVERY = 5
+#: the claim lease of the demo (the killed charge waits this long before it runs again)
+LEASE = 4.0
+#: the demo gives up (and reports what it saw) after this many seconds
+DEADLINE = 90.0
+#: the Redis the demo falls back to when it cannot start its own
+LOCAL_REDIS = "redis://127.0.0.1:6379/0"
+WORKERS = 2
+_DECISIONS = ("claimed", "lease_taken_over", "duplicate_skipped", "in_progress_deferred")
+
+
+class _Events:
+    """Counts the events the workers append to the JSONL file, read incrementally."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def update(self) -> collections.Counter[str]:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return self.counts
+        end = data.rfind(b"\n") + 1  # only whole lines; a line being written waits
+        for line in data[:end].splitlines():
+            if line.strip():
+                self.counts[json.loads(line)["event"]] += 1
+        self.offset += end
+        return self.counts
+
+
+class _Progress:
+    """A progress bar on a terminal; a line per quarter elsewhere."""
+
+    def __init__(self, out: TextIO, total: int) -> None:
+        self.out = out
+        self.total = max(total, 1)
+        self.tty = bool(getattr(out, "isatty", lambda: False)())
+        self.quarter = -1
+
+    def draw(self, done: int, counts: collections.Counter[str]) -> None:
+        text = (
+            f"{done:>5}/{self.total} charged · {counts['duplicate_skipped']} duplicates skipped"
+            f" · {counts['in_progress_deferred']} deferred"
+        )
+        if self.tty:
+            width = 28
+            filled = min(width, width * done // self.total)
+            self.out.write(f"\r  [{'█' * filled}{'░' * (width - filled)}] {text}")
+            self.out.flush()
+            return
+        quarter = min(4, 4 * done // self.total)
+        if quarter > self.quarter:
+            self.quarter = quarter
+            self.out.write(f"  {100 * done // self.total:>3}%  {text}\n")
+            self.out.flush()
+
+    def clear(self) -> None:
+        if self.tty:
+            self.out.write("\r" + " " * 90 + "\r")
+
+    def end(self) -> None:
+        if self.tty:
+            self.out.write("\n")
+            self.out.flush()
+
+
+class _EmbeddedRedis:
+    """A ``redis-server`` of the demo's own, on a free port, without persistence."""
+
+    def __init__(self, binary: str, workdir: Path) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = int(sock.getsockname()[1])
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(workdir)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def wait_ready(self, timeout: float = 10) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            if _redis_answers(self.url):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+
+
+def _redis_answers(url: str) -> bool:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
+    try:
+        return bool(client.ping())
+    except redis.exceptions.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def _dollars(cents: int) -> str:
+    return f"${cents / 100:,.2f}"
+
+
+def _is_sql(url: str) -> bool:
+    return not url.startswith(("redis", "rediss", "unix", "memory"))
+
+
+def _choose_broker(broker: str | None, workdir: Path) -> tuple[str, str, _EmbeddedRedis | None]:
+    """The broker URL, a sentence saying what it is, and the embedded server if started."""
+    if broker:
+        return broker, "", None
+    binary = shutil.which("redis-server")
+    if binary:
+        server = _EmbeddedRedis(binary, workdir)
+        if server.wait_ready():
+            return (
+                server.url,
+                f"a private redis-server started by the demo on port {server.port} "
+                "(Dramatiq has no SQL broker; stopped and deleted afterwards)",
+                server,
+            )
+        server.stop()
+    if _redis_answers(LOCAL_REDIS):
+        return (
+            LOCAL_REDIS,
+            "the local Redis (no redis-server binary to start a private one; Dramatiq has no "
+            "SQL broker) — the demo's keys carry a random namespace and are deleted afterwards",
+            None,
+        )
+    raise RuntimeError(
+        "Dramatiq needs a Redis or RabbitMQ broker and none is at hand: install redis-server "
+        "(the demo then starts a private one), start Redis on 127.0.0.1:6379, or pass "
+        "--broker redis://…|amqp://…"
+    )
+
+
+def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) -> int:
+    """Run the demo; returns the exit code (0: every order charged exactly once).
+
+    :param store: store URL, or None for an SQLite file in a temporary directory.
+    :param broker: broker URL (``redis://…`` or ``amqp://…``), or None for an embedded Redis.
+    :param count: charge messages to send (a fifth of them are sent twice).
+    :param out: where the progress and the report are written.
+    """
+    if count < 1:
+        out.write("taskonce demo: --count must be at least 1\n")
+        return 2
+    if broker and not broker.startswith(("redis", "rediss", "unix", "amqp")):
+        out.write("taskonce demo: Dramatiq's broker must be a redis://… or amqp://… URL\n")
+        return 2
+    started = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix="taskonce-demo-"))
+    tag = uuid.uuid4().hex[:8]
+    namespace = f"taskonce_demo_{tag}"
+    queue = namespace
+    store_url = store or f"sqlite:///{workdir / 'store.db'}"
+    sql = _is_sql(store_url)
+    ledger_table = f"taskonce_demo_ledger_{tag}"
+    ledger = f"sql:{ledger_table}" if sql else f"sqlite:{workdir / 'ledger.db'}"
+
+    rng = random.Random(20261122)
+    orders = [(f"order-{i:04d}", rng.randint(100, 9999), str(uuid.uuid4())) for i in range(count)]
+    duplicates = [i for i in range(count) if i % DUPLICATE_EVERY == 2]
+    victim = count // 3
+    while victim in duplicates and victim + 1 < count:
+        victim += 1
+
+    from taskonce.stores import redact
+
+    embedded: _EmbeddedRedis | None = None
+    workers: list[subprocess.Popen[bytes]] = []
+    publisher: Any = None
+    broker_url = broker or ""
+    ok = False
+    try:
+        try:
+            broker_url, broker_note, embedded = _choose_broker(broker, workdir)
+        except RuntimeError as exc:
+            out.write(f"taskonce demo: {exc}\n")
+            return 2
+        out.write(f"taskonce demo — real Dramatiq workers ({WORKERS} processes, 2 threads each)\n")
+        out.write(f"  broker  {redact(broker_url)}\n")
+        if broker_note:
+            out.write(f"          {broker_note}\n")
+        out.write(
+            f"  store   {redact(store_url)}"
+            + (" (transactional: ledger row and mark commit together)\n" if sql else "\n")
+        )
+        out.write(
+            f"  {count} charges, {len(duplicates)} of them published twice with the same "
+            "message id; one worker process is killed mid-charge\n\n"
+        )
+        out.flush()
+
+        _prepare_ledger(store_url, ledger, ledger_table)
+        env = {
+            **os.environ,
+            "TASKONCE_DEMO_BROKER": broker_url,
+            "TASKONCE_DEMO_QUEUE": queue,
+            "TASKONCE_DEMO_STORE": store_url,
+            "TASKONCE_DEMO_NS": namespace,
+            "TASKONCE_DEMO_LEDGER": ledger,
+            "TASKONCE_DEMO_DIR": str(workdir),
+            "TASKONCE_DEMO_LEASE": str(LEASE),
+        }
+        command = [
+            sys.executable, "-m", "dramatiq", "taskonce.dramatiq_ext.demo_app:broker",
+            "--processes", "1", "--threads", "2",
+        ]  # fmt: skip
+        out.write("  starting the workers … ")
+        out.flush()
+        for n in range(WORKERS):
+            with open(workdir / f"worker-{n}.log", "ab") as log:
+                workers.append(
+                    subprocess.Popen(
+                        command,
+                        cwd=workdir,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        deadline = started + DEADLINE
+        while len(list(workdir.glob("ready-*"))) < WORKERS:
+            if any(w.poll() is not None for w in workers) or time.monotonic() > deadline:
+                out.write("failed\n")
+                for n in range(WORKERS):
+                    _tail(workdir / f"worker-{n}.log", out)
+                return 1
+            time.sleep(0.05)
+        out.write(
+            f"ready (pids {', '.join(str(w.pid) for w in workers)}) after "
+            f"{time.monotonic() - started:.1f}s\n"
+        )
+
+        from dramatiq import Message
+
+        from taskonce.dramatiq_ext.demo_app import make_broker
+
+        publisher = make_broker(broker_url, queue)
+        sending = time.monotonic()
+
+        def message(index: int) -> Message[Any]:
+            order, cents, message_id = orders[index]
+            return Message(
+                queue_name=queue,
+                actor_name="charge",
+                args=(order, cents),
+                kwargs={"stall": index == victim},
+                options={},
+                message_id=message_id,
+            )
+
+        # Half the duplicates follow their original at once (they may meet it in flight), the
+        # other half come after everything else (the original is long done).
+        late = duplicates[1::2]
+        for index in range(count):
+            again = index in duplicates and index not in late
+            for _ in range(2 if again else 1):
+                publisher.enqueue(message(index))
+        for index in late:
+            publisher.enqueue(message(index))
+        out.write(
+            f"  sent {count} charges + {len(duplicates)} duplicates in "
+            f"{time.monotonic() - sending:.1f}s\n"
+        )
+        out.flush()
+
+        events = _Events(workdir / "events.jsonl")
+        progress = _Progress(out, count)
+        killed: str | None = None
+        victim_file = workdir / "victim.pid"
+        # Progress is the ledger itself: a worker killed between its commit and its
+        # "completed" event leaves a charged order without that event.
+        charged, polled = 0, 0.0
+        while True:
+            counts = events.update()
+            if time.monotonic() - polled > 0.3:
+                charged, polled = _read_ledger(store_url, ledger, ledger_table)[0], time.monotonic()
+            if killed is None and victim_file.exists():
+                with contextlib.suppress(ValueError, ProcessLookupError):
+                    pid = int(victim_file.read_text().strip() or 0)
+                    os.kill(pid, signal.SIGKILL)
+                    killed = f"  killed worker process {pid} in the middle of {orders[victim][0]}"
+                    progress.clear()
+                    out.write(f"{killed} (SIGKILL); the other worker gets its messages back\n")
+            progress.draw(charged, counts)
+            finished = (
+                charged >= count
+                and counts["duplicate_skipped"] >= len(duplicates)
+                and killed is not None
+            )
+            alive = [w for w in workers if w.poll() is None]
+            if finished or time.monotonic() > deadline or not alive:
+                break
+            time.sleep(0.1)
+        progress.end()
+        if not any(w.poll() is None for w in workers):
+            out.write("  the workers stopped unexpectedly:\n")
+            for n in range(WORKERS):
+                _tail(workdir / f"worker-{n}.log", out)
+        for worker in workers:
+            _stop(worker)
+        workers = []
+        counts = events.update()
+
+        rows, balance = _read_ledger(store_url, ledger, ledger_table)
+        expected = sum(cents for _, cents, _ in orders)
+        delivered = sum(counts[name] for name in _DECISIONS)
+        ran = counts["claimed"] + counts["lease_taken_over"]
+        interrupted = ran - counts["completed"]
+        ok = rows == count and balance == expected
+        out.write("\n")
+        lines = [
+            ("sent", str(count + len(duplicates)),
+             f"{count} charges + {len(duplicates)} re-published with the same message ids"),
+            ("delivered", str(delivered),
+             "deliveries a worker picked up: redeliveries and deferred copies included"),
+            ("ran", str(ran),
+             f"{counts['completed']} charges completed"
+             + (f" + {interrupted} killed mid-charge (run again after the lease, or "
+                "committed just before the kill)" if interrupted else "")),
+            ("duplicates skipped", str(counts["duplicate_skipped"]),
+             "acknowledged without running"),
+            ("deferred in flight", str(counts["in_progress_deferred"]),
+             "arrived while the charge was running: enqueued again for after the lease"),
+            ("ledger rows", str(rows), f"of {count} orders"),
+            ("balance expected", _dollars(expected), ""),
+            ("balance seen", _dollars(balance),
+             "✓ every order charged exactly once" if ok else "✗ MISMATCH"),
+        ]  # fmt: skip
+        for label, value, note in lines:
+            out.write(f"  {label:<19} {value:>11}   {note}".rstrip() + "\n")
+        out.write(f"\n  finished in {time.monotonic() - started:.1f}s")
+        if not ok:
+            out.write(f"; files kept in {workdir}")
+        out.write("\n")
+        out.flush()
+        return 0 if ok else 1
+    except KeyboardInterrupt:
+        out.write("\ninterrupted\n")
+        return 130
+    finally:
+        for worker in workers:
+            _stop(worker)
+        if publisher is not None:
+            with contextlib.suppress(Exception):
+                publisher.close()
+        if embedded is not None:
+            embedded.stop()
+        elif broker_url:
+            with contextlib.suppress(Exception):
+                _clean_broker(broker_url, queue)
+        with contextlib.suppress(Exception):
+            _clean_store(store_url, namespace, ledger_table, temporary=store is None)
+        if ok:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _prepare_ledger(store_url: str, ledger: str, table: str) -> None:
+    kind, _, target = ledger.partition(":")
+    if kind == "sqlite":
+        import sqlite3
+
+        with sqlite3.connect(target) as conn:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS ledger (id INTEGER PRIMARY KEY, order_id TEXT, "
+                "cents INTEGER)"
+            )
+        return
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(store_url)
+    try:
+        metadata = sa.MetaData()
+        sa.Table(
+            table,
+            metadata,
+            sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+            sa.Column("order_id", sa.String(64), nullable=False),
+            sa.Column("cents", sa.Integer, nullable=False),
+        )
+        metadata.create_all(engine)
+    finally:
+        engine.dispose()
+
+
+def _read_ledger(store_url: str, ledger: str, table: str) -> tuple[int, int]:
+    kind, _, target = ledger.partition(":")
+    if kind == "sqlite":
+        import sqlite3
+
+        with sqlite3.connect(target, timeout=30) as conn:
+            row = conn.execute("SELECT count(*), coalesce(sum(cents), 0) FROM ledger").fetchone()
+        return int(row[0]), int(row[1])
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(store_url)
+    try:
+        with engine.connect() as conn:
+            row = conn.execute(
+                # the table name is the demo's own, generated: taskonce_demo_ledger_<hex>
+                sa.text(f"SELECT count(*), coalesce(sum(cents), 0) FROM {table}")  # noqa: S608
+            ).one()
+        return int(row[0]), int(row[1])
+    finally:
+        engine.dispose()
+
+
+def _stop(worker: subprocess.Popen[bytes]) -> None:
+    """Stop a worker's whole process group: TERM, then KILL."""
+    with contextlib.suppress(ProcessLookupError):
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.wait(timeout=5)
+        os.killpg(worker.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        worker.wait(timeout=5)
+
+
+def _tail(path: Path, out: TextIO, lines: int = 15) -> None:
+    try:
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+    except FileNotFoundError:
+        return
+    for line in text:
+        out.write(f"    {line}\n")
+
+
+def _clean_broker(broker_url: str, queue: str) -> None:
+    """Delete the demo's queues (RabbitMQ) or keys (Redis, namespace = the queue name)."""
+    if broker_url.startswith("amqp"):
+        import pika
+
+        connection = pika.BlockingConnection(pika.URLParameters(broker_url))
+        try:
+            channel = connection.channel()
+            for suffix in ("", ".DQ", ".XQ"):
+                channel.queue_delete(queue=queue + suffix)
+        finally:
+            connection.close()
+        return
+    import redis
+
+    client = redis.Redis.from_url(broker_url)
+    try:
+        keys = list(client.scan_iter(match=f"{queue}:*", count=1000))
+        for start in range(0, len(keys), 1000):
+            client.delete(*keys[start : start + 1000])
+    finally:
+        client.close()
+
+
+def _clean_store(store_url: str, namespace: str, ledger_table: str, temporary: bool) -> None:
+    """Remove the demo's records (and ledger table) from a store the user named."""
+    if temporary:
+        return  # inside the temporary directory
+    if _is_sql(store_url):
+        import sqlalchemy as sa
+
+        engine = sa.create_engine(store_url)
+        try:
+            with engine.begin() as conn:
+                for table in (namespace, ledger_table):
+                    conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}"))
+        finally:
+            engine.dispose()
+        return
+    import redis
+
+    client = redis.Redis.from_url(store_url)
+    try:
+        keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+        for start in range(0, len(keys), 1000):
+            client.delete(*keys[start : start + 1000])
+    finally:
+        client.close()

@@ -1,0 +1,305 @@
+"""``IdempotencyMiddleware``: Dramatiq's hooks translated into the guard's three calls.
+
+Every decision is the core guard's (:meth:`taskonce.Guard.begin`, ``finish``, ``fail``); this
+class only maps Dramatiq's moments onto them and turns each decision into what Dramatiq
+understands:
+
+=====================  ==================================================================
+guard says             Dramatiq sees
+=====================  ==================================================================
+RUN                    nothing: the actor runs; ``after_*`` finishes (success) or fails
+                       (exception, or a later middleware skipped/failed the delivery)
+UNGUARDED              nothing: the actor runs without a guard (disabled, or fail_open)
+SKIP                   :class:`~.errors.DuplicateSkipped` — acknowledged, not run
+DEFER                  a delayed copy is enqueued (lease remaining), then
+                       :class:`~.errors.InProgressDeferred` — this copy acknowledged
+store down (closed)    a delayed copy is enqueued (backoff), then :class:`~.errors.StoreDown`
+payload mismatch,      the message is failed, then :class:`~.errors.Rejected` — dead-lettered
+no usable id
+anything unexpected    :class:`~.errors.GuardError` — not run, Dramatiq's failure path
+=====================  ==================================================================
+
+The skip exceptions derive from ``SkipMessage`` (a ``MiddlewareError``), so ``emit_before``
+does not swallow them and the actor never runs; they skip ``Retries`` and ``on_failure``.
+
+Context: ``Guard.begin`` (in ``before_process_message``) sets the context variable behind
+:func:`taskonce.current_session` in the worker thread, and ``finish``/``fail`` (in the
+``after_*`` hooks) reset it there. A sync actor runs in that same thread, between the two.
+An ``async def`` actor runs as a task on the AsyncIO middleware's event-loop thread while the
+worker thread waits for it; Dramatiq submits it with ``asyncio.run_coroutine_threadsafe``,
+whose ``call_soon_threadsafe`` captures the *calling* thread's context, and the task is
+created inside that callback, so it starts with a copy of the worker thread's context: the
+session is visible in the coroutine too (``tests/dramatiq`` proves both through real workers).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from dramatiq import Middleware
+from dramatiq.common import q_name
+
+from taskonce.dramatiq_ext.errors import (
+    DuplicateSkipped,
+    GuardError,
+    InProgressDeferred,
+    Rejected,
+    StoreDown,
+)
+from taskonce.dramatiq_ext.options import ActorPolicies
+from taskonce.dramatiq_ext.order import check_order
+from taskonce.dramatiq_ext.redelivery import Redelivery
+from taskonce.dramatiq_ext.results import keep_first_result
+from taskonce.dramatiq_ext.tickets import TicketBook
+from taskonce.errors import (
+    ConfigError,
+    InvalidInput,
+    LeaseLost,
+    PayloadMismatch,
+    StoreUnavailable,
+)
+from taskonce.guard import Decision, Delivery, Guard, Ticket
+
+if TYPE_CHECKING:
+    from dramatiq import Actor, Broker, Worker
+    from dramatiq.broker import MessageProxy
+
+logger = logging.getLogger("taskonce.dramatiq")
+
+FRAMEWORK = "dramatiq"
+
+
+class IdempotencyMiddleware(Middleware):
+    """Runs each Dramatiq message's actor once per key, as the guard decides.
+
+    Add it to the broker *before* declaring actors, after ``Retries``
+    (``broker.add_middleware(IdempotencyMiddleware(guard))`` appends, which is right)::
+
+        broker.add_middleware(IdempotencyMiddleware(guard))
+
+        @dramatiq.actor(queue_name="payments", idempotency={"mode": "lazy"})
+        def charge(order_id): ...
+
+    :param guard: the :class:`taskonce.Guard` that decides; its per-queue policies are looked up
+        by the *canonical* queue name (``payments.DQ`` and ``payments.XQ`` are ``payments``).
+    :param store_error_min_backoff: milliseconds before a delivery that found the store
+        unreachable (``fail_closed``) is tried again; doubled, with jitter, per consecutive
+        failure. Default 1000.
+    :param store_error_max_backoff: the cap of that backoff in milliseconds. Default 60000.
+    """
+
+    def __init__(
+        self,
+        guard: Guard,
+        *,
+        store_error_min_backoff: int = 1000,
+        store_error_max_backoff: int = 60_000,
+    ) -> None:
+        if not isinstance(guard, Guard):
+            raise ConfigError(
+                f"IdempotencyMiddleware(guard=…) needs a taskonce.Guard, not {type(guard).__name__}"
+            )
+        for name, value in (
+            ("store_error_min_backoff", store_error_min_backoff),
+            ("store_error_max_backoff", store_error_max_backoff),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    f"IdempotencyMiddleware {name}={value!r} must be a positive number of ms"
+                )
+        self.guard = guard
+        self.policies = ActorPolicies(guard)
+        self.tickets = TicketBook()
+        self.redelivery = Redelivery(
+            store_error_min_backoff=store_error_min_backoff,
+            store_error_max_backoff=max(store_error_min_backoff, store_error_max_backoff),
+        )
+        self._declared_here: set[str] = set()
+
+    @property
+    def actor_options(self) -> set[str]:
+        """``idempotency`` (see :mod:`taskonce.dramatiq_ext.options`)."""
+        return set(ActorPolicies.actor_options)
+
+    # -- declaration -----------------------------------------------------------------------
+
+    def before_declare_actor(self, broker: Broker, actor: Actor[Any, Any]) -> None:
+        """Refuse a bad ``idempotency`` option or a wrong middleware order at declaration."""
+        check_order(broker, self)
+        self.policies.forget(actor.actor_name)
+        self.policies.resolve(actor)
+        self._declared_here.add(actor.actor_name)
+
+    def after_declare_actor(self, broker: Broker, actor: Actor[Any, Any]) -> None:
+        """Warn about actors declared before this middleware was added.
+
+        ``broker.add_middleware`` calls this (and not ``before_declare_actor``) for every actor
+        that already exists, so an actor not seen before was declared too early.
+        """
+        if actor.actor_name not in self._declared_here:
+            check_order(broker, self)
+            logger.warning(
+                "actor %r was declared before IdempotencyMiddleware was added to the broker: it "
+                "is guarded with the policy of queue %r, but it could not take an "
+                "idempotency= option. Add the middleware before declaring actors.",
+                actor.actor_name,
+                q_name(actor.queue_name),
+            )
+            self._declared_here.add(actor.actor_name)
+            self.policies.resolve(actor)
+
+    def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
+        """Refuse to start a worker whose middleware order is wrong."""
+        check_order(broker, self)
+
+    # -- processing ------------------------------------------------------------------------
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        """Ask the guard whether this delivery runs; raise a skip when it does not."""
+        if message.failed:
+            return  # an earlier middleware failed it: the actor will not run, nothing to claim
+        try:
+            policy = self.policies.for_actor(broker.get_actor(message.actor_name))
+            if policy is None:
+                return  # idempotency=False
+            delivery = Delivery(
+                message_id=message.message_id,
+                queue=q_name(message.queue_name),
+                task=message.actor_name,
+                framework=FRAMEWORK,
+                attempt=int(message.options.get("retries", 0)),
+                redelivered=_redelivered(message),
+                override=policy,
+            )
+            ticket = self.guard.begin(delivery, message.args, message.kwargs)
+        except StoreUnavailable as exc:  # on_store_error="fail_closed"
+            self._put_back_after_store_error(broker, message, exc)
+        except (PayloadMismatch, InvalidInput) as exc:
+            self._reject(message, exc)
+        except Exception as exc:
+            logger.exception("the guard could not decide on message %s", message.message_id)
+            raise GuardError(
+                f"taskonce could not decide whether to run message {message.message_id!r} "
+                f"({type(exc).__name__}: {exc}); it was not run"
+            ) from exc
+        self._act_on(broker, message, ticket)
+
+    def _act_on(self, broker: Broker, message: MessageProxy, ticket: Ticket) -> None:
+        decision = ticket.decision
+        if decision is Decision.RUN:
+            self.tickets.hold(message, ticket)
+        elif decision is Decision.SKIP:
+            keep_first_result(message)
+            raise DuplicateSkipped(f"duplicate of {ticket.key!r}: already handled")
+        elif decision is Decision.DEFER:
+            try:
+                delay = self.redelivery.after_lease(broker, message, ticket.retry_after)
+            except Exception as exc:
+                raise GuardError(
+                    f"could not enqueue the deferred copy of {ticket.key!r} ({exc}); it was not run"
+                ) from exc
+            keep_first_result(message)
+            raise InProgressDeferred(
+                f"{ticket.key!r} is being processed elsewhere; delivered again in {delay} ms"
+            )
+        # Decision.UNGUARDED: run as is.
+
+    def _put_back_after_store_error(
+        self, broker: Broker, message: MessageProxy, exc: StoreUnavailable
+    ) -> NoReturn:
+        try:
+            delay = self.redelivery.after_store_error(broker, message)
+        except Exception as enqueue_exc:
+            raise GuardError(
+                f"store unreachable ({exc}) and the broker refused the redelivery of message "
+                f"{message.message_id!r} ({enqueue_exc}); it was not run"
+            ) from enqueue_exc
+        logger.warning(
+            "store unreachable; message %s not run (fail_closed), delivered again in %d ms: %s",
+            message.message_id,
+            delay,
+            exc,
+        )
+        keep_first_result(message)
+        raise StoreDown(str(exc)) from exc
+
+    def _reject(self, message: MessageProxy, exc: Exception) -> NoReturn:
+        logger.error("message %s dead-lettered, not run: %s", message.message_id, exc)
+        keep_first_result(message)
+        message.fail()
+        raise Rejected(str(exc)) from exc
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any | None = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        """Record the outcome of a delivery this middleware began: finish on success, fail
+        (release) on an exception or when the actor did not run."""
+        ticket = self.tickets.take(message)
+        if ticket is None:
+            return
+        if exception is not None or message.failed:
+            # message.failed without an exception: a middleware after this one failed it, so
+            # the actor did not run. Releasing is safe either way: a redelivery runs again.
+            self.guard.fail(ticket, exception)
+            return
+        self._finish(broker, message, ticket, result)
+
+    def _finish(self, broker: Broker, message: MessageProxy, ticket: Ticket, result: Any) -> None:
+        try:
+            self.guard.finish(ticket, result)
+        except LeaseLost:
+            # Emitted by the guard. Transactional: nothing committed; the owner that took the
+            # claim over commits. Otherwise the actor's effects stand beside the other run's.
+            logger.warning("lease of %s was lost while message %s ran", ticket.key, message)
+        except InvalidInput as exc:
+            logger.error("%s", exc)
+        except Exception as exc:
+            if not ticket.policy.transactional:
+                logger.error(
+                    "message %s ran but %s could not be recorded (%s); a redelivery after the "
+                    "lease may run it again",
+                    message.message_id,
+                    ticket.key,
+                    exc,
+                )
+                return
+            # The actor's transaction was rolled back with the mark: run it again later.
+            self.guard.fail(ticket, exc)
+            try:
+                delay = self.redelivery.after_store_error(broker, message)
+            except Exception:
+                logger.exception(
+                    "message %s: transaction rolled back (%s) and the redelivery failed; its "
+                    "effects are NOT recorded",
+                    message.message_id,
+                    exc,
+                )
+                return
+            logger.warning(
+                "message %s: transaction of %s rolled back (%s); delivered again in %d ms",
+                message.message_id,
+                ticket.key,
+                exc,
+                delay,
+            )
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        """A middleware after this one skipped a delivery this middleware claimed: release."""
+        ticket = self.tickets.take(message)
+        if ticket is not None:
+            self.guard.fail(ticket)
+
+
+def _redelivered(message: MessageProxy) -> bool | None:
+    """The broker's redelivery flag: RabbitMQ's ``basic.deliver`` ``redelivered``; None where
+    the broker does not tell (Redis)."""
+    # Read the proxy's own attributes: a plain getattr would fall through MessageProxy's
+    # __getattr__ to the Message and raise (and catch) an AttributeError on every delivery.
+    flag = vars(message).get("redelivered")
+    return flag if isinstance(flag, bool) else None

@@ -1,0 +1,63 @@
+"""Sending a delivery back to the broker for a later try, outside ``Retries``.
+
+Two outcomes of the guard put a message back instead of running it: a duplicate whose key
+another live owner is processing (deliver again when that owner's lease would run out) and a
+store that cannot be reached under ``fail_closed`` (deliver again after a backoff). Neither is
+the message's failure, so neither goes through ``Retries``: ``message.options["retries"]`` is
+left as it is, ``max_retries`` is never exhausted by them, and no ``on_failure`` callback
+fires. The copy is enqueued *before* the current delivery is acknowledged, so a crash between
+the two leaves two copies of one message id (which the guard handles), never none.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from dramatiq.common import compute_backoff, q_name
+
+if TYPE_CHECKING:
+    from dramatiq.broker import Broker, MessageProxy
+
+#: The message option counting consecutive store-unavailable redeliveries of one message.
+STORE_ERRORS_OPTION = "taskonce_store_errors"
+
+
+class Redelivery:
+    """Enqueues delayed copies of a delivery.
+
+    :param store_error_min_backoff: milliseconds before the first redelivery after the store
+        could not be reached; doubled (with jitter) for each consecutive one.
+    :param store_error_max_backoff: the cap of that backoff, in milliseconds.
+    """
+
+    def __init__(self, *, store_error_min_backoff: int, store_error_max_backoff: int) -> None:
+        self.min_backoff = store_error_min_backoff
+        self.max_backoff = store_error_max_backoff
+
+    def after_lease(self, broker: Broker, message: MessageProxy, retry_after: float) -> int:
+        """Enqueue ``message`` again, ``retry_after`` seconds from now (the remaining lease of
+        the owner processing it). Returns the delay in milliseconds."""
+        delay = max(1, math.ceil(retry_after * 1000))
+        self._enqueue(broker, message, delay, {})
+        return delay
+
+    def after_store_error(self, broker: Broker, message: MessageProxy) -> int:
+        """Enqueue ``message`` again after an exponential backoff. Returns the delay in
+        milliseconds."""
+        errors = int(message.options.get(STORE_ERRORS_OPTION, 0))
+        _, delay = compute_backoff(errors, factor=self.min_backoff, max_backoff=self.max_backoff)
+        self._enqueue(broker, message, delay, {STORE_ERRORS_OPTION: errors + 1})
+        return int(delay)
+
+    @staticmethod
+    def _enqueue(
+        broker: Broker, message: MessageProxy, delay: int, options: dict[str, int]
+    ) -> None:
+        # Message.copy gives the copy its own options dict: later changes to this delivery's
+        # options (see results.keep_first_result) do not reach it. The broker assigns the
+        # copy's eta (and, on Redis, a new redis_message_id); message_id stays the same.
+        copy = message.copy(queue_name=q_name(message.queue_name), options=options)
+        if STORE_ERRORS_OPTION not in options:
+            copy.options.pop(STORE_ERRORS_OPTION, None)
+        broker.enqueue(copy, delay=delay)

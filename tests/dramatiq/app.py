@@ -1,0 +1,301 @@
+"""The Dramatiq application the real-worker tests run: a broker, a guard and the actors.
+
+:func:`build` makes one from a :class:`Config`. The worker subprocess builds it from the
+``TASKONCE_DQ_TEST_CONFIG`` environment variable (see ``worker_app.py``); the test process
+builds its own copy with the same config to *send* messages (it never starts a worker).
+
+Every actor takes the name of a PostgreSQL table as its first argument and records each of its
+runs there (one row per run: message id, pid, attempt), so a test counts runs in a table of its
+own and drops it afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import re
+import threading
+import time
+import uuid
+from typing import Any
+
+import dramatiq
+import psycopg
+from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from dramatiq.brokers.redis import RedisBroker
+from dramatiq.middleware import CurrentMessage, Retries
+from dramatiq.middleware.asyncio import AsyncIO
+from dramatiq.results import Results
+from dramatiq.results.backends import RedisBackend
+from sqlalchemy import text
+
+import taskonce
+from taskonce.dramatiq_ext import IdempotencyMiddleware
+
+CONFIG_ENV = "TASKONCE_DQ_TEST_CONFIG"
+_TABLE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+@dataclasses.dataclass
+class Config:
+    """Everything a worker of one test stack needs; passed to the worker as JSON."""
+
+    broker: str  # redis://…/N or amqp://…
+    namespace: str  # queue-name prefix (and the Redis broker's key namespace)
+    store: str  # store URL
+    events: str  # JSONL path for taskonce events
+    acks: str  # JSONL path where the worker logs every ack/nack
+    runs_url: str  # PostgreSQL (psycopg) URL of the run-count tables
+    store_prefix: str | None = None
+    store_table: str | None = None
+    results: str | None = None  # Redis URL of the Results backend
+    heartbeat_timeout: int = 60_000  # Redis broker: ms before a silent worker counts as dead
+    maintenance_chance: int = 1000  # Redis broker: per million commands
+    lease: float = 3.0  # the default policy's lease (s)
+    store_error_backoff: int = 200  # ms before a fail_closed delivery is tried again
+    wrong_order: bool = False  # add the middleware before Retries (a bad-input test)
+
+    def to_env(self) -> dict[str, str]:
+        return {CONFIG_ENV: json.dumps(dataclasses.asdict(self))}
+
+    @classmethod
+    def from_env(cls) -> Config:
+        return cls(**json.loads(os.environ[CONFIG_ENV]))
+
+    def queue(self, name: str) -> str:
+        return f"{self.namespace}_{name}"
+
+    @property
+    def sql_store(self) -> bool:
+        return not self.store.startswith(("redis", "memory"))
+
+
+class AckLog(dramatiq.Middleware):
+    """Appends one JSON line per ack/nack: the moment Dramatiq is done with a delivery (after
+    every ``after_process_message``/``after_skip_message``, so after any Results write)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def _log(self, message: Any, what: str) -> None:
+        line = json.dumps(
+            {"what": what, "message_id": message.message_id, "queue": message.queue_name}
+        )
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+
+    def after_ack(self, broker: dramatiq.Broker, message: Any) -> None:
+        self._log(message, "ack")
+
+    def after_nack(self, broker: dramatiq.Broker, message: Any) -> None:
+        self._log(message, "nack")
+
+
+class Runs:
+    """Per-thread autocommit connections to PostgreSQL for recording runs."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.replace("postgresql+psycopg://", "postgresql://")
+        self._local = threading.local()
+
+    def connection(self) -> psycopg.Connection[Any]:
+        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
+        if conn is None or conn.closed:
+            conn = psycopg.connect(self.url, autocommit=True)
+            self._local.conn = conn
+        return conn
+
+    def record(self, table: str) -> int:
+        """Insert one run of the current message; the number of runs of it so far."""
+        if not _TABLE.match(table):
+            raise ValueError(f"bad table name {table!r}")
+        message = CurrentMessage.get_current_message()
+        message_id = message.message_id if message is not None else "?"
+        attempt = int(message.options.get("retries", 0)) if message is not None else 0
+        with self.connection().cursor() as cur:
+            cur.execute(
+                f"INSERT INTO {table} (message_id, pid, attempt) VALUES (%s, %s, %s)",
+                (message_id, os.getpid(), attempt),
+            )
+            cur.execute(f"SELECT count(*) FROM {table} WHERE message_id = %s", (message_id,))
+            row = cur.fetchone()
+        return int(row[0]) if row else 0
+
+
+@dataclasses.dataclass
+class App:
+    config: Config
+    broker: dramatiq.Broker
+    guard: taskonce.Guard
+    actors: dict[str, dramatiq.Actor[Any, Any]]
+    results: RedisBackend | None
+
+
+def make_broker(config: Config) -> dramatiq.Broker:
+    if config.broker.startswith("amqp"):
+        return RabbitmqBroker(url=config.broker)
+    return RedisBroker(
+        url=config.broker,
+        namespace=config.namespace,
+        heartbeat_timeout=config.heartbeat_timeout,
+        maintenance_chance=config.maintenance_chance,
+    )
+
+
+def make_guard(config: Config) -> taskonce.Guard:
+    options: dict[str, Any] = {}
+    if config.store_prefix:
+        options["prefix"] = config.store_prefix
+    if config.store_table:
+        options["table"] = config.store_table
+    store = taskonce.open_store(config.store, **options)
+    queues: dict[str, Any] = {
+        config.queue("lazy"): {"mode": "lazy"},
+        config.queue("open"): {"on_store_error": "fail_open"},
+    }
+    if config.sql_store:
+        queues[config.queue("txn")] = {"transactional": True}
+    return taskonce.Guard(
+        store,
+        default=taskonce.Policy(lease=config.lease),
+        queues=queues,
+        events=[taskonce.JsonlEvents(config.events)],
+    )
+
+
+def build(config: Config) -> App:
+    """The broker with its middleware, the guard and every actor of the tests."""
+    broker = make_broker(config)
+    guard = make_guard(config)
+    results: RedisBackend | None = None
+    if config.results:
+        results = RedisBackend(
+            url=config.results,
+            namespace=f"{config.namespace}-results",
+            use_namespace_prefix_keys=True,  # readable keys, so the tests can delete them
+        )
+        broker.add_middleware(Results(backend=results))
+    broker.add_middleware(CurrentMessage())
+    broker.add_middleware(AsyncIO())
+    broker.add_middleware(AckLog(config.acks))
+    if config.wrong_order:
+        broker.add_middleware(IdempotencyMiddleware(guard), before=Retries)
+    else:
+        broker.add_middleware(
+            IdempotencyMiddleware(
+                guard,
+                store_error_min_backoff=config.store_error_backoff,
+                store_error_max_backoff=config.store_error_backoff * 4,
+            )
+        )
+    runs = Runs(config.runs_url)
+    main, lazy, txn, opened = (config.queue(q) for q in ("main", "lazy", "txn", "open"))
+    actors: dict[str, dramatiq.Actor[Any, Any]] = {}
+
+    def actor(queue: str, **options: Any) -> Any:
+        def register(fn: Any) -> Any:
+            actors[fn.__name__] = dramatiq.actor(
+                fn, broker=broker, queue_name=queue, actor_name=fn.__name__, **options
+            )
+            return actors[fn.__name__]
+
+        return register
+
+    @actor(main, store_results=config.results is not None)
+    def record(table: str, value: Any = None) -> str:
+        """Counts its run; returns a fresh token (for the Results test)."""
+        runs.record(table)
+        return uuid.uuid4().hex
+
+    @actor(main, max_retries=5, min_backoff=50, max_backoff=100)
+    def flaky(table: str, fail_times: int) -> None:
+        """Fails its first ``fail_times`` runs."""
+        if runs.record(table) <= fail_times:
+            raise RuntimeError("flaky: failing on purpose")
+
+    @actor(main, idempotency={"lease": 2})
+    def slow(table: str, seconds: float) -> None:
+        runs.record(table)
+        time.sleep(seconds)
+
+    @actor(main, idempotency={"lease": 3}, max_retries=0)
+    def crash(table: str) -> None:
+        """The first run waits to be SIGKILLed; later runs return (``txn_crash``: the same,
+        with an effect written through the guard's transaction first)."""
+        if runs.record(table) == 1:
+            time.sleep(60)
+
+    @actor(txn, idempotency={"lease": 3}, max_retries=0)
+    def txn_crash(table: str, effects: str, amount: int) -> None:
+        _write_effect(effects, amount)
+        if runs.record(table) == 1:
+            time.sleep(60)
+
+    @actor(lazy)
+    def lazy_record(table: str) -> None:
+        runs.record(table)
+
+    @actor(main, idempotency={"mode": "lazy"})
+    def per_actor(table: str) -> None:
+        runs.record(table)
+
+    @actor(main, idempotency=False)
+    def not_guarded(table: str) -> None:
+        runs.record(table)
+
+    @actor(opened)
+    def fail_open(table: str) -> None:
+        runs.record(table)
+
+    @actor(txn, max_retries=3, min_backoff=50, max_backoff=100)
+    def txn_charge(table: str, effects: str, amount: int, fail_times: int = 0) -> None:
+        _write_effect(effects, amount)
+        if runs.record(table) <= fail_times:
+            raise RuntimeError("txn_charge: failing after the write, on purpose")
+
+    @actor(main, idempotency=taskonce.Policy(mode="eager", lease=3))
+    async def async_record(table: str) -> None:
+        await asyncio.sleep(0.01)
+        runs.record(table)
+
+    @actor(txn)
+    async def async_txn(table: str, effects: str, amount: int) -> None:
+        await asyncio.sleep(0.01)
+        _write_effect(effects, amount)  # needs the worker thread's context in the task
+        runs.record(table)
+
+    @actor(main, idempotency=False)
+    def ping(table: str) -> None:
+        runs.record(table)
+
+    @actor(lazy, idempotency=False)
+    def ping_lazy(table: str) -> None:
+        runs.record(table)
+
+    @actor(opened, idempotency=False)
+    def ping_open(table: str) -> None:
+        runs.record(table)
+
+    if config.sql_store:
+
+        @actor(txn, idempotency=False)
+        def ping_txn(table: str) -> None:
+            runs.record(table)
+
+    return App(config, broker, guard, actors, results)
+
+
+def _write_effect(table: str, amount: int) -> None:
+    if not _TABLE.match(table):
+        raise ValueError(f"bad table name {table!r}")
+    session = taskonce.current_session()
+    message = CurrentMessage.get_current_message()
+    session.execute(
+        text(f"INSERT INTO {table} (message_id, amount) VALUES (:m, :a)"),
+        {"m": message.message_id if message else "?", "a": amount},
+    )
