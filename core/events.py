@@ -5,12 +5,12 @@ The field and event names are public (DESIGN.md, Events): ``taskonce audit`` rea
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -66,10 +66,17 @@ def worker_id() -> str:
     return f"{_HOST}:{os.getpid()}"
 
 
+_second_cache: tuple[int, str] = (-1, "")
+
+
 def utc_now_iso() -> str:
     """ISO 8601 UTC with milliseconds, e.g. ``2026-11-22T03:10:36.123Z``."""
-    now = datetime.datetime.now(datetime.timezone.utc)
-    return now.strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z"
+    global _second_cache
+    now = time.time()
+    second = int(now)
+    if _second_cache[0] != second:  # formatting the date is the costly part; once a second
+        _second_cache = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)))
+    return f"{_second_cache[1]}.{int((now - second) * 1000):03d}Z"
 
 
 def make_event(event: str, **fields: Any) -> dict[str, Any]:
@@ -94,25 +101,32 @@ class EventSink(Protocol):
     def emit(self, event: Mapping[str, Any]) -> None: ...
 
 
+def log_level(name: str) -> int:
+    """The level at which :class:`LoggingEvents` logs event ``name``."""
+    if name in _WARNING_EVENTS:
+        return logging.WARNING
+    if name in _INFO_EVENTS:
+        return logging.INFO
+    return logging.DEBUG
+
+
 class LoggingEvents:
     """Logs every event on the ``taskonce.events`` logger: warnings for lease_lost,
     concurrent_duplicate, payload_mismatch and store_error; info for skips, deferrals,
     take-overs and purges; debug for the routine claim/complete/mark/release/renew."""
 
+    @staticmethod
+    def wants(name: str) -> bool:
+        """Whether event ``name`` would be logged at the logger's current level."""
+        return logger.isEnabledFor(log_level(name))
+
     def emit(self, event: Mapping[str, Any]) -> None:
-        name = event["event"]
-        level = (
-            logging.WARNING
-            if name in _WARNING_EVENTS
-            else logging.INFO
-            if name in _INFO_EVENTS
-            else logging.DEBUG
-        )
+        level = log_level(event["event"])
         if logger.isEnabledFor(level):
             logger.log(
                 level,
                 "%s key=%s task=%s mode=%s attempt=%s",
-                name,
+                event["event"],
                 event.get("key"),
                 event.get("task"),
                 event.get("mode"),

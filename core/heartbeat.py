@@ -6,7 +6,7 @@ lease, so a long handler keeps its claim while a dead worker's claim still runs 
 
 from __future__ import annotations
 
-import heapq
+import dataclasses
 import itertools
 import logging
 import os
@@ -20,8 +20,19 @@ logger = logging.getLogger(__name__)
 Renew = Callable[[], None]
 
 
+@dataclasses.dataclass(slots=True)
+class _Watch:
+    due: float  # time.monotonic() of the next renewal
+    interval: float
+    renew: Renew
+
+
 class Heartbeat:
     """Calls each watched claim's ``renew`` every ``lease / 3`` seconds until unwatched.
+
+    Watching and unwatching are a dict insert and delete under a lock: they run for every
+    delivery, while renewals are rare (only handlers that run longer than a third of their
+    lease need one).
 
     :param name: the thread's name.
     """
@@ -34,27 +45,27 @@ class Heartbeat:
     def _reset(self) -> None:
         # After a fork the parent's thread does not exist in the child: start afresh.
         self._cond = threading.Condition(threading.Lock())
-        self._due: list[tuple[float, int]] = []
-        self._watched: dict[int, tuple[float, Renew]] = {}
+        self._watched: dict[int, _Watch] = {}
         self._ids = itertools.count()
+        self._wake_at = float("inf")
         self._thread: threading.Thread | None = None
 
     def watch(self, lease: float, renew: Renew) -> int:
         """Start renewing; returns a handle for :meth:`unwatch`."""
         interval = lease / 3.0
+        due = time.monotonic() + interval
         with self._cond:
             handle = next(self._ids)
-            self._watched[handle] = (interval, renew)
-            heapq.heappush(self._due, (time.monotonic() + interval, handle))
+            self._watched[handle] = _Watch(due, interval, renew)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
-            elif self._due[0][1] == handle:
+            elif due < self._wake_at:
                 self._cond.notify()
         return handle
 
     def unwatch(self, handle: int) -> None:
-        """Stop renewing (the heap entry is dropped lazily when it comes due)."""
+        """Stop renewing."""
         with self._cond:
             self._watched.pop(handle, None)
 
@@ -62,20 +73,23 @@ class Heartbeat:
         while True:
             with self._cond:
                 while True:
-                    while self._due and self._due[0][1] not in self._watched:
-                        heapq.heappop(self._due)
-                    timeout = self._due[0][0] - time.monotonic() if self._due else None
-                    if timeout is not None and timeout <= 0:
+                    now = time.monotonic()
+                    due = [(h, w) for h, w in self._watched.items() if w.due <= now]
+                    if due:
                         break
+                    self._wake_at = min(
+                        (w.due for w in self._watched.values()), default=float("inf")
+                    )
+                    timeout = None if self._wake_at == float("inf") else self._wake_at - now
                     self._cond.wait(timeout)
-                _, handle = heapq.heappop(self._due)
-                interval, renew = self._watched[handle]
-            try:
-                renew()
-            except Exception:  # the guard's renew reports its own errors; stop on any
-                logger.debug("heartbeat stops renewing handle %s", handle, exc_info=True)
-                self.unwatch(handle)
-                continue
-            with self._cond:
-                if handle in self._watched:
-                    heapq.heappush(self._due, (time.monotonic() + interval, handle))
+                self._wake_at = now
+            for handle, watch in due:
+                try:
+                    watch.renew()
+                except Exception:  # the guard's renew reports its own errors; stop on any
+                    logger.debug("heartbeat stops renewing handle %s", handle, exc_info=True)
+                    self.unwatch(handle)
+                    continue
+                with self._cond:
+                    if handle in self._watched:
+                        watch.due = time.monotonic() + watch.interval

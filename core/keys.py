@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from taskonce.errors import InvalidInput
 from taskonce.stores.base import MAX_KEY_LENGTH
+
+_CONTROL = re.compile(r"[\x00-\x1f]")
 
 
 def _escape_queue(queue: str) -> str:
@@ -31,7 +34,7 @@ def make_key(message_id: object, queue: object, identity: str) -> str:
         raise InvalidInput(
             f"queue {queue!r} must be a non-empty string (got {type(queue).__name__})"
         )
-    if any(ord(ch) < 32 for ch in message_id + queue):
+    if _CONTROL.search(message_id) or _CONTROL.search(queue):
         raise InvalidInput(
             f"message id {message_id!r} or queue {queue!r} contains control characters"
         )
