@@ -82,6 +82,33 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     return int(run_demo(store=args.store, broker=args.broker, count=args.count, out=out))
 
 
+def _cmd_audit(args: argparse.Namespace, out: TextIO) -> int:
+    from taskonce.spark_ext.cli import run
+
+    return run(args, out)
+
+
+def _cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "store_ops.py"
+    if not script.exists():
+        raise TaskonceError(
+            "taskonce bench runs bench/store_ops.py of a source checkout (pip install -e .); "
+            f"{script} is not there"
+        )
+    argv = [str(script), *args.bench_args]
+    saved, sys.argv = sys.argv, argv
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     def options(parser: argparse.ArgumentParser, suppress: bool) -> argparse.ArgumentParser:
         # Options may stand before or after the command; the command's copies must not reset
@@ -143,13 +170,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--table", default="taskonce_keys", help="table name (default taskonce_keys)"
     )
     init_db.set_defaults(func=_cmd_init_db)
+
+    from taskonce.spark_ext.cli import add_arguments as add_audit_arguments  # no Spark import
+
+    audit = sub.add_parser(
+        "audit", parents=[common], help="audit event logs with Spark; recommend keep_for"
+    )
+    add_audit_arguments(audit)
+    audit.set_defaults(func=_cmd_audit)
+    bench = sub.add_parser(
+        "bench",
+        help="per-operation store latency against raw Redis/SQL calls (bench/store_ops.py)",
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of bench/store_ops.py")
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Entry point of the ``taskonce`` console script; returns the exit code."""
     out = out or sys.stdout
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and argv[1:2] not in (["-h"], ["--help"]):
+        # bench's options belong to bench/store_ops.py: hand them over untouched
+        args = argparse.Namespace(command="bench", bench_args=argv[1:], verbose=False)
+        args.func = _cmd_bench
+    else:
+        args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

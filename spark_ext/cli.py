@@ -1,0 +1,315 @@
+"""``taskonce audit EVENTS... --out DIR``: the command-line face of :func:`audit`.
+
+This module imports no Spark at import time, so ``taskonce --help`` works without PySpark;
+the ``taskonce`` command (core/cli.py) calls :func:`add_arguments` and :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING, Any, TextIO
+
+from taskonce.errors import ConfigError
+from taskonce.spark_ext.inputs import DEBIAN_POSTGRESQL_JAR, JdbcSource, jdbc_url
+from taskonce.spark_ext.semantics import (
+    BYTES_PER_KEY,
+    DEFAULT_GRACE_S,
+    DEFAULT_SAFETY_FACTOR,
+    human_duration,
+    parse_broker_bound,
+    parse_duration,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+logger = logging.getLogger("taskonce.spark_ext")
+
+#: Exit code when ``--fail-on-leak`` finds leaks or a keep_for below its recommendation.
+EXIT_PROBLEMS = 1
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _bound(text: str) -> tuple[str, float]:
+    try:
+        return parse_broker_bound(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _windows(text: str) -> list[float]:
+    try:
+        return [parse_duration(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def _size(text: str) -> tuple[str, int]:
+    name, sep, value = text.rpartition("=")
+    try:
+        size = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not [STORE=]BYTES: {text!r}") from None
+    return (name if sep else "store"), size
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``audit`` subcommand's arguments."""
+    parser.add_argument(
+        "events",
+        nargs="*",
+        metavar="EVENTS",
+        help="event logs: JSONL files (.gz too), Parquet files or folders, globs (quote them "
+        "to let Spark expand them, e.g. on HDFS)",
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder (replaced)")
+    parser.add_argument(
+        "--format", choices=("auto", "json", "parquet"), default="auto", help="input format"
+    )
+    parser.add_argument(
+        "--master", default="local[*]", help="Spark master (default local[*]; yarn, spark://…)"
+    )
+    parser.add_argument(
+        "--driver-memory", default="2g", metavar="SIZE", help="Spark driver memory (default 2g)"
+    )
+    parser.add_argument(
+        "--conf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra Spark configuration (repeatable)",
+    )
+    jdbc = parser.add_argument_group("events from a SQL table (JDBC)")
+    jdbc.add_argument(
+        "--jdbc-url",
+        metavar="URL",
+        help="jdbc:postgresql://host:5432/db or postgresql://user@host:5432/db",
+    )
+    jdbc.add_argument("--jdbc-table", metavar="TABLE", help="the events table")
+    jdbc.add_argument(
+        "--jdbc-jar",
+        metavar="PATH",
+        action="append",
+        default=[],
+        help=f"JDBC driver jar (repeatable; default for PostgreSQL: {DEBIAN_POSTGRESQL_JAR} "
+        "when present, from Debian's libpostgresql-jdbc-java); nothing is downloaded",
+    )
+    jdbc.add_argument("--jdbc-user", metavar="USER", help="database user")
+    jdbc.add_argument("--jdbc-driver", metavar="CLASS", help="driver class (default by URL)")
+    judge = parser.add_argument_group("judging")
+    judge.add_argument(
+        "--keep-for",
+        type=_duration,
+        metavar="DURATION",
+        help="keep_for to judge near misses by for events that carry none (e.g. 7d)",
+    )
+    judge.add_argument(
+        "--broker-bound",
+        type=_bound,
+        action="append",
+        default=[],
+        metavar="[NAME=]DURATION",
+        help="a broker's redelivery bound, e.g. redis-visibility=1h (repeatable); the "
+        "recommendation is never below the longest",
+    )
+    judge.add_argument(
+        "--safety-factor",
+        type=_positive,
+        default=DEFAULT_SAFETY_FACTOR,
+        help=f"multiplier of the p99.9 gap (default {DEFAULT_SAFETY_FACTOR:g})",
+    )
+    judge.add_argument(
+        "--grace",
+        type=_duration,
+        default=DEFAULT_GRACE_S,
+        metavar="DURATION",
+        help=f"a claim not ended within lease + this is stuck (default {DEFAULT_GRACE_S:g}s)",
+    )
+    judge.add_argument(
+        "--simulate-windows",
+        type=_windows,
+        default=[],
+        metavar="LIST",
+        help="what-if keep_for values, e.g. 120,300,3600,86400 (or 2m,5m,1h,1d)",
+    )
+    judge.add_argument(
+        "--bytes-per-key",
+        type=_size,
+        action="append",
+        default=[],
+        metavar="[STORE=]BYTES",
+        help="bytes one key takes in your store (repeatable; default "
+        + ", ".join(f"{name} {size}" for name, size in BYTES_PER_KEY.items())
+        + ", measured by bench/store_ops.py)",
+    )
+    judge.add_argument(
+        "--fail-on-leak",
+        action="store_true",
+        help=f"exit {EXIT_PROBLEMS} when a key leaked or a queue's keep_for is below its "
+        "recommendation (for cron and CI)",
+    )
+    parser.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress line on standard error"
+    )
+
+
+def build_session(
+    master: str = "local[*]",
+    jars: list[str] | None = None,
+    driver_memory: str = "2g",
+    conf: dict[str, str] | None = None,
+    app_name: str = "taskonce-audit",
+) -> SparkSession:
+    """A SparkSession for the audit: UTC session time zone, no console progress bar (the audit
+    draws its own), ``jars`` on the classpath (JDBC drivers).
+
+    With a ``local`` master and no ``PYSPARK_PYTHON`` in the environment, it sets
+    ``PYSPARK_PYTHON`` to this interpreter, so Python work on the executors (``send_rows``)
+    runs in the same virtualenv instead of the first ``python3`` on the PATH.
+    """
+    from pyspark.sql import SparkSession
+
+    if master.startswith("local") and not os.environ.get("PYSPARK_PYTHON"):
+        os.environ["PYSPARK_PYTHON"] = sys.executable
+
+    builder = (
+        SparkSession.builder.master(master)
+        .appName(app_name)
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.memory", driver_memory)
+    )
+    if jars:
+        builder = builder.config("spark.jars", ",".join(jars))
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()
+
+
+def _jdbc(args: argparse.Namespace) -> tuple[JdbcSource | None, list[str]]:
+    jars = [os.path.expanduser(jar) for jar in args.jdbc_jar]
+    for jar in jars:
+        if not os.path.isfile(jar):
+            raise ConfigError(f"--jdbc-jar: no such file {jar!r}")
+    if not args.jdbc_url and not args.jdbc_table:
+        return None, jars
+    if not (args.jdbc_url and args.jdbc_table):
+        raise ConfigError("--jdbc-url and --jdbc-table go together")
+    url = jdbc_url(args.jdbc_url)[0]
+    if not jars and url.startswith("jdbc:postgresql:"):
+        if not os.path.isfile(DEBIAN_POSTGRESQL_JAR):
+            raise ConfigError(
+                "--jdbc-jar: no PostgreSQL JDBC driver given and "
+                f"{DEBIAN_POSTGRESQL_JAR} is missing (apt-get install libpostgresql-jdbc-java)"
+            )
+        jars = [DEBIAN_POSTGRESQL_JAR]
+    source = JdbcSource(
+        args.jdbc_url, args.jdbc_table, user=args.jdbc_user, driver=args.jdbc_driver
+    )
+    return source, jars
+
+
+def run(args: argparse.Namespace, out: TextIO) -> int:
+    """Run ``taskonce audit``; returns the exit code."""
+    from taskonce.spark_ext.audit import audit
+    from taskonce.spark_ext.progress import ConsoleProgress
+
+    source, jars = _jdbc(args)
+    if not args.events and source is None:
+        raise ConfigError("taskonce audit: give event log paths (EVENTS) or --jdbc-url/--table")
+    conf: dict[str, str] = {}
+    for item in args.conf:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--conf wants KEY=VALUE, not {item!r}")
+        conf[key.strip()] = value.strip()
+    bounds: dict[str, float] = {}
+    for name, seconds in args.broker_bound:
+        bounds[name] = max(seconds, bounds.get(name, 0.0))
+    sizes = dict(args.bytes_per_key) or None
+    from pyspark.sql import SparkSession
+
+    # inside a running Spark application (a notebook, a test) use its session and keep it
+    owned = SparkSession.getActiveSession() is None
+    spark = build_session(args.master, jars, args.driver_memory, conf)
+    if owned and not getattr(args, "verbose", False):
+        spark.sparkContext.setLogLevel("ERROR")
+    progress = None if args.no_progress else ConsoleProgress(spark.sparkContext)
+    try:
+        result = audit(
+            spark,
+            args.events,
+            jdbc=source,
+            fmt=args.format,
+            out=args.out,
+            keep_for_s=args.keep_for,
+            broker_bounds=bounds,
+            safety_factor=args.safety_factor,
+            simulate_windows=args.simulate_windows,
+            grace_s=args.grace,
+            bytes_per_key=sizes,
+            progress=progress,
+            charts=not args.no_charts,
+        )
+    finally:
+        if progress is not None:
+            progress.close()
+        if owned:
+            spark.stop()
+    problems = result.problems()
+    if getattr(args, "json", False):
+        out.write(json.dumps(result.report, sort_keys=False) + "\n")
+    else:
+        out.write(summary(result, args.out) + "\n")
+    if args.fail_on_leak and problems:
+        for problem in problems:
+            sys.stderr.write(f"taskonce audit: {problem}\n")
+        return EXIT_PROBLEMS
+    return 0
+
+
+def summary(result: Any, folder: str) -> str:
+    """A few lines for the terminal."""
+    report = result.report
+    overall = report["overall"]
+    recommended = overall["recommended_keep_for_s"]
+    lines = [
+        f"events {report['events']:,}  deliveries {overall['deliveries']:,}  "
+        f"keys {overall['distinct_keys']:,}  runs {overall['runs']:,}",
+        f"duplicates: {overall['duplicates_skipped']:,} skipped, "
+        f"{overall['duplicates_in_flight']:,} in flight; leaks {overall['leaks']:,}; "
+        f"near misses {overall['near_misses']:,}; stuck claims {overall['stuck_claims']:,}",
+        f"gaps: p50 {overall['gap_p50_s']:g} s, p99 {overall['gap_p99_s']:g} s, "
+        f"p99.9 {overall['gap_p999_s']:g} s, max {overall['gap_max_s']:g} s",
+        f"keep_for in force {report['keep_for_s']:g} s; recommended {recommended} s "
+        f"({human_duration(recommended)})",
+    ]
+    for row in report["what_if"]:
+        lines.append(
+            f"what if keep_for={row['keep_for_s']:g} s: {row['suppressed']:,} suppressed, "
+            f"{row['leaked']:,} leaked, ~{row['store_keys']:,} keys in the store"
+        )
+    lines += [f"{problem}" for problem in result.problems()]
+    lines.append(f"report: {os.path.join(folder, 'report.html')} (and report.json, report.md)")
+    return "\n".join(lines)

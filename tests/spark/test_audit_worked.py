@@ -1,0 +1,132 @@
+"""The audit of a hand-worked event log (tests/spark/worked.py): every count, percentile, leak,
+stuck claim, recommended window and what-if row is the one worked out by hand; and the output
+folder holds exactly this run's tables, report.json (DESIGN.md's shape), report.md and
+report.html with PNG charts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from taskonce.spark_ext import AuditResult
+from tests.spark import worked
+
+DESIGN_TOP = ["generated_at", "events", "keep_for_s", "overall", "queues", "tasks", "what_if"]
+DESIGN_METRICS = list(worked.metrics())
+
+
+@pytest.fixture(scope="module")
+def run(worked_audit: tuple[AuditResult, Path]) -> tuple[AuditResult, Path]:
+    return worked_audit
+
+
+def test_report_has_designs_exact_shape(run: tuple[AuditResult, Path]) -> None:
+    report = run[0].report
+    assert list(report) == DESIGN_TOP
+    assert report["generated_at"] == "2026-02-01T12:00:00.000Z"
+    assert list(report["overall"]) == DESIGN_METRICS
+    for group in ("queues", "tasks"):
+        for metrics in report[group].values():
+            assert list(metrics) == DESIGN_METRICS
+    for row in report["what_if"]:
+        assert list(row) == ["keep_for_s", "suppressed", "leaked", "store_keys"]
+    json.dumps(report)  # serialisable as it is
+
+
+def test_counts_and_percentiles_overall(run: tuple[AuditResult, Path]) -> None:
+    result = run[0]
+    assert result.report["events"] == worked.EXPECTED_EVENTS
+    assert result.info["malformed"] == worked.EXPECTED_MALFORMED
+    assert result.info["percentiles"] == "exact"
+    assert result.report["keep_for_s"] == 3600
+    assert result.report["overall"] == worked.EXPECTED_OVERALL
+
+
+def test_per_queue(run: tuple[AuditResult, Path]) -> None:
+    queues = run[0].report["queues"]
+    assert sorted(queues) == sorted(worked.EXPECTED_QUEUES)
+    for name, expected in worked.EXPECTED_QUEUES.items():
+        assert queues[name] == expected, name
+
+
+def test_per_task(run: tuple[AuditResult, Path]) -> None:
+    assert run[0].report["tasks"] == worked.EXPECTED_TASKS
+
+
+def test_what_if(run: tuple[AuditResult, Path]) -> None:
+    result = run[0]
+    assert result.report["what_if"] == worked.EXPECTED_WHAT_IF
+    assert result.what_if[2]["store_bytes"] == {"Redis": 11 * 232, "PostgreSQL": 11 * 292}
+
+
+def test_details_buckets_rates_keep_for(run: tuple[AuditResult, Path]) -> None:
+    details = run[0].details
+    assert details["overall"]["buckets"] == {
+        "<=1s": 1,  # 1 (the concurrent duplicate)
+        "<=1min": 3,  # 2, 30, 60 (60 is "≤ 1 min")
+        "<=5min": 0,
+        "<=1h": 2,  # 700, 3000
+        "<=1d": 1,  # 4000
+        ">1d": 0,
+    }
+    # 7 duplicates (3 skipped + 1 in flight + 3 leaked runs) of 23 deliveries
+    assert details["overall"]["duplicates"] == 7
+    assert details["overall"]["duplicate_rate"] == pytest.approx(7 / 23)
+    assert details["queue:dups"]["duplicate_rate"] == pytest.approx(4 / 6)
+    assert details["queue:leak"]["keep_for_in_force_s"] == 600
+    assert details["queue:clean"]["keep_for_in_force_s"] == 3600
+    assert details["queue:lazy"]["leaked_runs"] == 2
+
+
+def test_leaks_stuck_claims_and_problems(run: tuple[AuditResult, Path]) -> None:
+    result = run[0]
+    assert sorted(row["key"] for row in result.leaks_sample) == ["lazy:k7", "lazy:k8", "leak:k6"]
+    stuck = {row["key"]: row for row in result.stuck_sample}
+    assert sorted(stuck) == ["stuck:k11", "stuck:k9"]
+    assert stuck["stuck:k9"]["open_at_log_end"] is True
+    assert stuck["stuck:k11"]["open_at_log_end"] is False
+    assert stuck["stuck:k11"]["deadline"].startswith("2026-01-01T00:01:30.000")  # 0 + 60 + 30
+    assert result.problems() == [
+        "3 key(s) leaked: their handler ran again outside a retry",
+        "queue 'dups': keep_for 3600 s is below the recommended 6300 s",
+        "queue 'lazy': keep_for 600 s is below the recommended 3600 s",
+        "queue 'leak': keep_for 600 s is below the recommended 8100 s",
+    ]
+
+
+def test_output_folder(run: tuple[AuditResult, Path], spark: Any) -> None:
+    result, out = run
+    assert json.loads((out / "report.json").read_text()) == result.report
+    assert (out / "notes.txt").read_text() == "mine"  # not ours: left alone
+    assert not (out / "tables" / "stale_table").exists()  # an earlier run's: replaced
+    markdown = (out / "report.md").read_text()
+    assert "stale report" not in markdown
+    assert "Recommended keep_for: **8100 s" in markdown
+    assert "| leak:k6 |" in markdown
+    assert "![Redelivery gap distribution](charts/gaps.png)" in markdown
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 3
+    for name in ("gaps.png", "duplicates.png", "what_if.png"):
+        assert (out / "charts" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    tables = out / "tables"
+    expected_rows = {
+        "metrics": 1 + 6 + 5,  # overall, queues, tasks
+        "gap_buckets": 6 * 12,
+        "what_if": 4,
+        "duplicates": 7,
+        "leaks": 3,
+        "stuck_claims": 2,
+    }
+    for name, rows in expected_rows.items():
+        assert spark.read.parquet(str(tables / name)).count() == rows, name
+    gaps = {
+        row["key"] + "@" + row["event"]: row["gap_s"]
+        for row in spark.read.parquet(str(tables / "duplicates")).collect()
+    }
+    assert gaps["dups:k4@in_progress_deferred"] == 2.0
+    assert gaps["lazy:k8@marked"] == 700.0
+    near = spark.read.parquet(str(tables / "duplicates")).filter("near_miss").collect()
+    assert [(row["key"], row["gap_s"]) for row in near] == [("dups:k4", 3000.0)]
