@@ -39,6 +39,10 @@ class LeaseLost(TaskonceError):
         self.key = key
         self.operation = operation
 
+    def __reduce__(self) -> tuple[type[LeaseLost], tuple[str, str]]:
+        # Celery hands exceptions from pool processes to the main process by pickling them.
+        return (type(self), (self.key, self.operation))
+
 
 class PayloadMismatch(TaskonceError):
     """A message arrived under a key whose recorded payload fingerprint differs: the same id was
@@ -54,6 +58,9 @@ class PayloadMismatch(TaskonceError):
         self.recorded = recorded
         self.received = received
 
+    def __reduce__(self) -> tuple[type[PayloadMismatch], tuple[str, str, str]]:
+        return (type(self), (self.key, self.recorded, self.received))
+
 
 class InProgressElsewhere(TaskonceError):
     """Another live owner holds the claim on this key; deliver again after ``retry_after``
@@ -65,6 +72,9 @@ class InProgressElsewhere(TaskonceError):
         )
         self.key = key
         self.retry_after = retry_after
+
+    def __reduce__(self) -> tuple[type[InProgressElsewhere], tuple[str, float]]:
+        return (type(self), (self.key, self.retry_after))
 
 
 __all__ = [

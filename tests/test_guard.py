@@ -418,3 +418,17 @@ def test_jsonl_lines_never_interleave_across_processes(tmp_path: Any) -> None:
     lines = read_jsonl(path)  # json.loads fails on any torn line
     assert len(lines) == 1 + 4 * 2 * 250
     assert len({(e["child"], e["t"], e["i"]) for e in lines[1:]}) == 2000
+
+
+def test_errors_survive_pickling_between_processes() -> None:
+    import pickle
+
+    for error in (
+        LeaseLost("q:m1", "complete"),
+        PayloadMismatch("q:m1", "a" * 64, "b" * 64),
+        InProgressElsewhere("q:m1", 12.5),
+        ConfigError("Policy.mode='x' is not valid"),
+    ):
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error) and str(copy) == str(error)
+    assert pickle.loads(pickle.dumps(InProgressElsewhere("k", 3.0))).retry_after == 3.0

@@ -1,0 +1,248 @@
+"""The guard of a Celery app: :func:`setup`, the ``taskonce_*`` settings, validation.
+
+A Celery app gets its guard either from :func:`setup(app, guard) <setup>` or, on first use, from
+its settings:
+
+- ``taskonce_store``: store URL (``redis://…``, ``postgresql+psycopg://…``, ``sqlite:///…``) or a
+  :class:`~taskonce.Store`; required unless a guard is given to :func:`setup`.
+- ``taskonce_default``: the default :class:`~taskonce.Policy` (or a dict of its fields).
+- ``taskonce_queues``: ``{queue: Policy or dict}``, the per-queue policies.
+- ``taskonce_events``: extra event sinks: a JSONL file path, an ``EventSink``, or a list of them.
+- ``taskonce_eager``: ``"guard"`` (default) guards eager runs (``apply()``,
+  ``task_always_eager``) under the queue-name rule's queue; ``"bypass"`` runs them unguarded.
+- ``taskonce_store_retry_delay``: seconds before a delivery that met an unreachable store
+  (``fail_closed``) is delivered again; default 5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from celery.signals import worker_init
+
+from taskonce.errors import ConfigError
+from taskonce.events import EventSink, JsonlEvents
+from taskonce.guard import Guard
+from taskonce.policy import Policy
+from taskonce.stores import Store, open_store
+
+logger = logging.getLogger("taskonce.celery")
+
+EAGER_CHOICES = ("guard", "bypass")
+DEFAULT_STORE_RETRY_DELAY = 5.0
+
+
+@dataclasses.dataclass
+class AppState:
+    """What taskonce keeps per Celery app: the guard, adapter options, caches."""
+
+    guard: Guard | None = None
+    eager: str = "guard"
+    store_retry_delay: float = DEFAULT_STORE_RETRY_DELAY
+    #: effective policy per (task name, queue, time limit)
+    policies: dict[tuple[str, str, float | None], Policy] = dataclasses.field(default_factory=dict)
+    acks_late_warned: set[str] = dataclasses.field(default_factory=set)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+_STATES: weakref.WeakKeyDictionary[Any, AppState] = weakref.WeakKeyDictionary()
+_STATES_LOCK = threading.Lock()
+
+
+def app_state(app: Any) -> AppState:
+    """The taskonce state of ``app`` (created empty on first use)."""
+    state = _STATES.get(app)
+    if state is None:
+        with _STATES_LOCK:
+            state = _STATES.get(app)
+            if state is None:
+                state = AppState()
+                _STATES[app] = state
+    return state
+
+
+def _read_options(app: Any) -> tuple[str, float]:
+    conf = app.conf
+    eager = conf.get("taskonce_eager", "guard")
+    if eager not in EAGER_CHOICES:
+        raise ConfigError(
+            f"setting taskonce_eager={eager!r} is not valid; choose one of "
+            f"{', '.join(EAGER_CHOICES)}"
+        )
+    delay = conf.get("taskonce_store_retry_delay", DEFAULT_STORE_RETRY_DELAY)
+    if (
+        isinstance(delay, bool)
+        or not isinstance(delay, (int, float))
+        or not math.isfinite(delay)
+        or delay <= 0
+    ):
+        raise ConfigError(
+            f"setting taskonce_store_retry_delay={delay!r} is not valid; it must be a positive "
+            "number of seconds"
+        )
+    return str(eager), float(delay)
+
+
+def _sinks(value: Any) -> list[EventSink]:
+    if value is None:
+        return []
+    items: Iterable[Any] = value if isinstance(value, (list, tuple)) else [value]
+    sinks: list[EventSink] = []
+    for item in items:
+        if isinstance(item, (str, Path)):
+            sinks.append(JsonlEvents(item))
+        elif isinstance(item, EventSink):
+            sinks.append(item)
+        else:
+            raise ConfigError(
+                f"setting taskonce_events: {item!r} is neither a JSONL file path nor an event "
+                "sink (an object with emit(event))"
+            )
+    return sinks
+
+
+def guard_from_settings(app: Any) -> Guard:
+    """Build a guard from the app's ``taskonce_*`` settings; :class:`ConfigError` when one is
+    missing or invalid (the message names the setting)."""
+    conf = app.conf
+    url = conf.get("taskonce_store")
+    if url is None:
+        raise ConfigError(
+            f"Celery app {app.main!r} has no taskonce guard: call "
+            "taskonce.celery_ext.setup(app, guard) or set app.conf.taskonce_store to a store URL"
+        )
+    default = conf.get("taskonce_default")
+    queues = conf.get("taskonce_queues")
+    if queues is not None and not isinstance(queues, Mapping):
+        raise ConfigError(
+            f"setting taskonce_queues must map queue names to policies, not {type(queues).__name__}"
+        )
+    # Check the policies before a store is opened, so a typo costs no connection.
+    try:
+        base = Policy().overridden_by(default)
+    except ConfigError as exc:
+        raise ConfigError(f"setting taskonce_default: {exc}") from None
+    for queue, policy in (queues or {}).items():
+        try:
+            base.overridden_by(policy)
+        except ConfigError as exc:
+            raise ConfigError(f"setting taskonce_queues[{queue!r}]: {exc}") from None
+    sinks = _sinks(conf.get("taskonce_events"))
+    if isinstance(url, Store):
+        store = url
+    elif isinstance(url, str):
+        store = open_store(url)
+    else:
+        raise ConfigError(
+            f"setting taskonce_store must be a store URL or a taskonce Store, not "
+            f"{type(url).__name__}"
+        )
+    try:
+        return Guard(store, default=default, queues=queues, events=sinks)
+    except ConfigError as exc:
+        if store is not url:
+            store.close()
+        raise ConfigError(f"taskonce settings of Celery app {app.main!r}: {exc}") from None
+
+
+def setup(app: Any, guard: Guard | None = None) -> Guard:
+    """Give the Celery ``app`` its guard and check the configuration now.
+
+    :param app: the :class:`celery.Celery` app.
+    :param guard: the :class:`~taskonce.Guard`; when omitted it is built from the
+        ``taskonce_store`` / ``taskonce_default`` / ``taskonce_queues`` / ``taskonce_events``
+        settings.
+    :returns: the guard in force.
+    :raises ConfigError: an invalid setting, policy or per-task ``idempotency`` option (the
+        message names it). Tasks registered later are checked when the app is finalized.
+    """
+    if guard is not None and not isinstance(guard, Guard):
+        raise ConfigError(
+            f"setup(app, guard): guard must be a taskonce.Guard, not {type(guard).__name__}"
+        )
+    eager, delay = _read_options(app)
+    if guard is None:
+        guard = guard_from_settings(app)
+    state = app_state(app)
+    with state.lock:
+        state.guard = guard
+        state.eager = eager
+        state.store_retry_delay = delay
+        state.policies.clear()
+    if app.finalized:
+        check_tasks(app, guard)
+    else:
+        app.on_after_finalize.connect(_check_after_finalize, weak=False, dispatch_uid="taskonce")
+    return guard
+
+
+def guard_for(app: Any) -> Guard:
+    """The guard of ``app``: the one given to :func:`setup`, else built once from settings."""
+    state = app_state(app)
+    guard = state.guard
+    if guard is None:
+        with state.lock:
+            if state.guard is None:
+                state.eager, state.store_retry_delay = _read_options(app)
+                state.guard = guard_from_settings(app)
+            guard = state.guard
+    return guard
+
+
+def guarded_tasks(app: Any) -> list[Any]:
+    """The app's registered tasks whose base is :class:`~taskonce.celery_ext.IdempotentTask`."""
+    from taskonce.celery_ext.task import IdempotentTask
+
+    return [task for task in app.tasks.values() if isinstance(task, IdempotentTask)]
+
+
+def check_tasks(app: Any, guard: Guard) -> None:
+    """Check every guarded task's ``idempotency`` option against every policy it can meet."""
+    from taskonce.celery_ext.routing import default_queue
+
+    for task in guarded_tasks(app):
+        override = task.idempotency
+        queues = [default_queue(task), *guard.queues]
+        for queue in dict.fromkeys(queues):
+            try:
+                guard.policy_for(queue, override)
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"task {task.name!r}: idempotency={override!r} on queue {queue!r}: {exc}"
+                ) from None
+
+
+def _check_after_finalize(sender: Any = None, **_: Any) -> None:
+    state = app_state(sender)
+    if state.guard is None:
+        return
+    try:
+        check_tasks(sender, state.guard)
+    except ConfigError as exc:
+        # Celery's signals log and swallow exceptions; the task raises it again when it runs.
+        logger.critical("taskonce: %s", exc)
+
+
+def _check_at_worker_start(sender: Any = None, **_: Any) -> None:
+    """In the worker's main process, before the pool forks: build and check the guard of an
+    app that has guarded tasks, so a configuration error shows at start, not at the first
+    message."""
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    try:
+        if not guarded_tasks(app):
+            return
+        check_tasks(app, guard_for(app))
+    except ConfigError as exc:
+        logger.critical("taskonce: %s", exc)
+
+
+worker_init.connect(_check_at_worker_start, weak=False, dispatch_uid="taskonce.celery_ext.init")

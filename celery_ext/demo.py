@@ -1,0 +1,444 @@
+"""``taskonce demo``: duplicate deliveries against a real Celery worker, and a balance that holds.
+
+:func:`run_demo` starts ``celery worker`` (prefork, two pool processes) on
+:mod:`taskonce.celery_ext.demo_app`, sends ``count`` guarded "charge" tasks, re-publishes every
+fifth one with the same task id (a producer that sent twice), SIGKILLs the pool process in
+the middle of one charge (the broker gives that message back; it runs again once the dead
+claim's lease is out), draws a progress bar, and prints what happened: sent, delivered, ran,
+duplicates skipped, and the ledger's balance against the expected one.
+
+Embedded default (nothing to install): an SQLite store and kombu's SQLAlchemy transport on
+SQLite, both in a temporary directory. ``store`` / ``broker`` URLs run the same demo on Redis,
+RabbitMQ or PostgreSQL; everything the demo creates there carries a random name and is removed
+afterwards.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, TextIO
+
+#: every n-th charge is published a second time with the same task id
+DUPLICATE_EVERY = 5
+#: the claim lease of the demo (the killed charge waits this long before it runs again)
+LEASE = 4.0
+#: the demo gives up (and reports what it saw) after this many seconds
+DEADLINE = 55.0
+_DECISIONS = ("claimed", "lease_taken_over", "duplicate_skipped", "in_progress_deferred")
+
+
+def broker_options(broker: str, namespace: str) -> dict[str, Any]:
+    """Transport options of the demo's broker (shared by the worker and the publisher)."""
+    if broker.startswith("redis"):
+        return {"global_keyprefix": f"{namespace}:"}
+    if broker.startswith("sqla+sqlite"):
+        return {"connect_args": {"timeout": 30}}
+    return {}
+
+
+class _Events:
+    """Counts the events the worker processes append to the JSONL file, read incrementally."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def update(self) -> collections.Counter[str]:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return self.counts
+        end = data.rfind(b"\n") + 1  # only whole lines; a line being written waits
+        for line in data[:end].splitlines():
+            if line.strip():
+                self.counts[json.loads(line)["event"]] += 1
+        self.offset += end
+        return self.counts
+
+
+class _Progress:
+    """A progress bar on a terminal; a line per quarter elsewhere."""
+
+    def __init__(self, out: TextIO, total: int) -> None:
+        self.out = out
+        self.total = max(total, 1)
+        self.tty = bool(getattr(out, "isatty", lambda: False)())
+        self.quarter = -1
+
+    def draw(self, done: int, counts: collections.Counter[str]) -> None:
+        text = (
+            f"{done:>5}/{self.total} charged · {counts['duplicate_skipped']} duplicates skipped"
+            f" · {counts['in_progress_deferred']} deferred"
+        )
+        if self.tty:
+            width = 28
+            filled = min(width, width * done // self.total)
+            self.out.write(f"\r  [{'█' * filled}{'░' * (width - filled)}] {text}")
+            self.out.flush()
+            return
+        quarter = min(4, 4 * done // self.total)
+        if quarter > self.quarter:
+            self.quarter = quarter
+            self.out.write(f"  {100 * done // self.total:>3}%  {text}\n")
+            self.out.flush()
+
+    def end(self) -> None:
+        if self.tty:
+            self.out.write("\n")
+            self.out.flush()
+
+
+def _dollars(cents: int) -> str:
+    return f"${cents / 100:,.2f}"
+
+
+def _is_sql(url: str) -> bool:
+    return not url.startswith(("redis", "rediss", "unix", "memory"))
+
+
+def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) -> int:
+    """Run the demo; returns the exit code (0: every order charged exactly once).
+
+    :param store: store URL, or None for an SQLite file in a temporary directory.
+    :param broker: broker URL, or None for kombu's SQLAlchemy transport on SQLite.
+    :param count: charge tasks to send (a fifth of them are sent twice).
+    :param out: where the progress and the report are written.
+    """
+    if count < 1:
+        out.write("taskonce demo: --count must be at least 1\n")
+        return 2
+    if store is not None and store.startswith("memory"):
+        out.write(
+            "taskonce demo: the worker's processes must share the store; use sqlite:///…, "
+            "redis://… or postgresql+psycopg://… (memory:// lives in one process)\n"
+        )
+        return 2
+    started = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix="taskonce-demo-"))
+    tag = uuid.uuid4().hex[:8]
+    namespace = f"taskonce_demo_{tag}"
+    store_url = store or f"sqlite:///{workdir / 'store.db'}"
+    broker_url = broker or f"sqla+sqlite:///{workdir / 'broker.db'}"
+    queue = f"taskonce-demo-{tag}"
+    sql = _is_sql(store_url)
+    ledger_table = f"taskonce_demo_ledger_{tag}"
+    ledger = f"sql:{ledger_table}" if sql else f"sqlite:{workdir / 'ledger.db'}"
+
+    rng = random.Random(20261122)
+    orders = [(f"order-{i:04d}", rng.randint(100, 9999), str(uuid.uuid4())) for i in range(count)]
+    duplicates = [i for i in range(count) if i % DUPLICATE_EVERY == 2]
+    victim = count // 3
+    while victim in duplicates and victim + 1 < count:
+        victim += 1
+
+    from taskonce.stores import redact
+
+    out.write("taskonce demo — a real Celery worker (prefork, 2 pool processes)\n")
+    out.write(f"  broker  {redact(broker_url)}\n")
+    out.write(
+        f"  store   {redact(store_url)}"
+        + (" (transactional: ledger row and mark commit together)\n" if sql else "\n")
+    )
+    out.write(
+        f"  {count} charges, {len(duplicates)} of them published twice with the same task id; "
+        "one pool process is killed mid-charge\n\n"
+    )
+    out.flush()
+
+    worker: subprocess.Popen[bytes] | None = None
+    app: Any = None
+    ok = False
+    try:
+        _prepare_ledger(store_url, ledger, ledger_table)
+        env = {
+            **os.environ,
+            "TASKONCE_DEMO_BROKER": broker_url,
+            "TASKONCE_DEMO_QUEUE": queue,
+            "TASKONCE_DEMO_STORE": store_url,
+            "TASKONCE_DEMO_NS": namespace,
+            "TASKONCE_DEMO_LEDGER": ledger,
+            "TASKONCE_DEMO_DIR": str(workdir),
+            "TASKONCE_DEMO_LEASE": str(LEASE),
+        }
+        command = [
+            sys.executable, "-m", "celery", "-A", "taskonce.celery_ext.demo_app", "worker",
+            "-P", "prefork", "-c", "2", "-Q", queue, "-n", f"demo-{tag}@%h",
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+            "-l", os.environ.get("TASKONCE_DEMO_LOGLEVEL", "WARNING"),
+        ]  # fmt: skip
+        out.write("  starting the worker … ")
+        out.flush()
+        with open(workdir / "worker.log", "ab") as log:
+            worker = subprocess.Popen(
+                command,
+                cwd=workdir,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = started + DEADLINE
+        while not (workdir / "ready").exists():
+            if worker.poll() is not None or time.monotonic() > deadline:
+                out.write("failed\n")
+                _tail(workdir / "worker.log", out)
+                return 1
+            time.sleep(0.05)
+        out.write(f"ready (pid {worker.pid}) after {time.monotonic() - started:.1f}s\n")
+
+        from celery import Celery
+
+        app = Celery(f"taskonce-demo-publisher-{tag}", broker=broker_url, set_as_current=False)
+        app.conf.update(
+            broker_transport_options=broker_options(broker_url, namespace),
+            broker_connection_retry_on_startup=True,
+            task_ignore_result=True,
+        )
+        sending = time.monotonic()
+        with warnings.catch_warnings(), app.producer_or_acquire() as producer:
+            # kombu's SQLAlchemy transport uses an ORM option SQLAlchemy 2.1 deprecates
+            warnings.simplefilter("ignore", DeprecationWarning)
+            # Half the duplicates follow their original at once (they may meet it in flight),
+            # the other half come after everything else (the original is long done).
+            late = duplicates[1::2]
+            for index, (order, cents, task_id) in enumerate(orders):
+                again = index in duplicates and index not in late
+                for _ in range(2 if again else 1):
+                    app.send_task(
+                        "taskonce_demo.charge",
+                        args=(order, cents),
+                        kwargs={"stall": index == victim},
+                        task_id=task_id,
+                        queue=queue,
+                        producer=producer,
+                    )
+            for index in late:
+                order, cents, task_id = orders[index]
+                app.send_task(
+                    "taskonce_demo.charge",
+                    args=(order, cents),
+                    kwargs={"stall": False},
+                    task_id=task_id,
+                    queue=queue,
+                    producer=producer,
+                )
+        out.write(
+            f"  sent {count} charges + {len(duplicates)} duplicates in "
+            f"{time.monotonic() - sending:.1f}s\n"
+        )
+        out.flush()
+
+        events = _Events(workdir / "events.jsonl")
+        progress = _Progress(out, count)
+        killed: str | None = None
+        victim_file = workdir / "victim.pid"
+        while True:
+            counts = events.update()
+            if killed is None and victim_file.exists():
+                with contextlib.suppress(ValueError, ProcessLookupError):
+                    pid = int(victim_file.read_text().strip() or 0)
+                    os.kill(pid, signal.SIGKILL)
+                    killed = f"  killed pool process {pid} in the middle of {orders[victim][0]}"
+                    if progress.tty:
+                        out.write("\r" + " " * 90 + "\r")
+                    out.write(f"{killed} (SIGKILL)\n")
+            progress.draw(counts["completed"], counts)
+            finished = (
+                counts["completed"] >= count
+                and counts["duplicate_skipped"] >= len(duplicates)
+                and killed is not None
+            )
+            if finished or time.monotonic() > deadline or worker.poll() is not None:
+                break
+            time.sleep(0.1)
+        progress.end()
+        if worker.poll() is not None:
+            out.write("  the worker stopped unexpectedly:\n")
+            _tail(workdir / "worker.log", out)
+        _stop(worker)
+        worker = None
+        counts = events.update()
+
+        rows, balance = _read_ledger(store_url, ledger, ledger_table)
+        expected = sum(cents for _, cents, _ in orders)
+        delivered = sum(counts[name] for name in _DECISIONS)
+        ran = counts["claimed"] + counts["lease_taken_over"]
+        interrupted = ran - counts["completed"]
+        ok = rows == count and balance == expected and counts["completed"] == count
+        out.write("\n")
+        lines = [
+            ("sent", str(count + len(duplicates)),
+             f"{count} charges + {len(duplicates)} re-published with the same task ids"),
+            ("delivered", str(delivered),
+             "messages a pool process picked up, redeliveries included"),
+            ("ran", str(ran),
+             f"{counts['completed']} charges completed"
+             + (f" + {interrupted} killed mid-charge, run again after its lease"
+                if interrupted else "")),
+            ("duplicates skipped", str(counts["duplicate_skipped"]),
+             "acknowledged without running"),
+            ("deferred in flight", str(counts["in_progress_deferred"]),
+             "arrived while the charge was running: delivered again after the lease"),
+            ("ledger rows", str(rows), f"of {count} orders"),
+            ("balance expected", _dollars(expected), ""),
+            ("balance seen", _dollars(balance),
+             "✓ every order charged exactly once" if ok else "✗ MISMATCH"),
+        ]  # fmt: skip
+        for label, value, note in lines:
+            out.write(f"  {label:<19} {value:>11}   {note}\n".rstrip() + "\n")
+        out.write(f"\n  finished in {time.monotonic() - started:.1f}s")
+        if not ok:
+            out.write(f"; files kept in {workdir}")
+        out.write("\n")
+        out.flush()
+        return 0 if ok else 1
+    except KeyboardInterrupt:
+        out.write("\ninterrupted\n")
+        return 130
+    finally:
+        if worker is not None:
+            _stop(worker)
+        if app is not None:
+            with contextlib.suppress(Exception):
+                _clean_broker(app, broker_url, queue, namespace)
+            app.close()
+        with contextlib.suppress(Exception):
+            _clean_store(store_url, namespace, ledger_table, temporary=store is None)
+        if ok and not os.environ.get("TASKONCE_DEMO_KEEP"):
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _prepare_ledger(store_url: str, ledger: str, table: str) -> None:
+    kind, _, target = ledger.partition(":")
+    if kind == "sqlite":
+        import sqlite3
+
+        with sqlite3.connect(target) as conn:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS ledger (id INTEGER PRIMARY KEY, order_id TEXT, "
+                "cents INTEGER)"
+            )
+        return
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(store_url)
+    try:
+        metadata = sa.MetaData()
+        sa.Table(
+            table,
+            metadata,
+            sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+            sa.Column("order_id", sa.String(64), nullable=False),
+            sa.Column("cents", sa.Integer, nullable=False),
+        )
+        metadata.create_all(engine)
+    finally:
+        engine.dispose()
+
+
+def _read_ledger(store_url: str, ledger: str, table: str) -> tuple[int, int]:
+    kind, _, target = ledger.partition(":")
+    if kind == "sqlite":
+        import sqlite3
+
+        with sqlite3.connect(target, timeout=30) as conn:
+            row = conn.execute("SELECT count(*), coalesce(sum(cents), 0) FROM ledger").fetchone()
+        return int(row[0]), int(row[1])
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(store_url)
+    try:
+        with engine.connect() as conn:
+            row = conn.execute(
+                # the table name is the demo's own, generated above
+                sa.text(f"SELECT count(*), coalesce(sum(cents), 0) FROM {table}")  # noqa: S608
+            ).one()
+        return int(row[0]), int(row[1])
+    finally:
+        engine.dispose()
+
+
+def _stop(worker: subprocess.Popen[bytes]) -> None:
+    """Stop the worker's whole process group: TERM, then KILL."""
+    with contextlib.suppress(ProcessLookupError):
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGTERM)
+            try:
+                worker.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        os.killpg(worker.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        worker.wait(timeout=5)
+
+
+def _tail(path: Path, out: TextIO, lines: int = 15) -> None:
+    try:
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+    except FileNotFoundError:
+        return
+    for line in text:
+        out.write(f"    {line}\n")
+
+
+def _clean_broker(app: Any, broker_url: str, queue: str, namespace: str) -> None:
+    if broker_url.startswith("redis"):
+        import redis
+
+        client = redis.Redis.from_url(broker_url)
+        try:
+            keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+            if keys:
+                client.delete(*keys)
+        finally:
+            client.close()
+    elif broker_url.startswith(("amqp", "pyamqp")):
+        import importlib
+
+        entity: Any = importlib.import_module("kombu.entity")  # kombu's typing is partial
+        with app.connection_for_write() as conn:
+            channel = conn.channel()
+            entity.Queue(queue, channel=channel).delete()
+            entity.Exchange(queue, channel=channel).delete()
+
+
+def _clean_store(store_url: str, namespace: str, ledger_table: str, temporary: bool) -> None:
+    if temporary:
+        return  # the SQLite files go with the temporary directory
+    if _is_sql(store_url):
+        import sqlalchemy as sa
+
+        engine = sa.create_engine(store_url)
+        try:
+            with engine.begin() as conn:
+                for table in (namespace, ledger_table):
+                    conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}"))
+        finally:
+            engine.dispose()
+    elif store_url.startswith(("redis", "rediss", "unix")):
+        import redis
+
+        client = redis.Redis.from_url(store_url)
+        try:
+            keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+            if keys:
+                client.delete(*keys)
+        finally:
+            client.close()

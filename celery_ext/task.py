@@ -1,0 +1,477 @@
+"""``IdempotentTask``: a Celery task base class that runs each delivery's body at most once.
+
+The class only translates Celery's moments into the guard's three calls; every decision is
+:meth:`taskonce.Guard.begin`'s:
+
+========================  ==================================================================
+Celery moment             what the task does
+========================  ==================================================================
+the body is about to run  ``guard.begin(Delivery(task id, queue, …), args, kwargs)``
+``RUN``                   run the body; ``guard.finish`` after it returns, ``guard.fail`` if it
+                          raises (including ``Retry``, ``Reject``, ``Ignore``)
+``SKIP`` (a duplicate)    raise :class:`~celery.exceptions.Ignore`: no state stored, no
+                          callbacks, chain or chord step, the message acknowledged
+``DEFER`` (in progress)   publish the same message (same id, same ``retries``) again with
+                          ``countdown`` = the lease's remaining time, then ``Ignore``; it does not
+                          count against ``max_retries`` and is never dropped
+store unreachable         ``fail_closed``: the same, after ``taskonce_store_retry_delay``;
+                          ``fail_open``: run unguarded
+``self.retry()``          release the claim, let Celery store ``RETRY``, *then* publish the retry
+``self.replace()``        release the claim before the replacement (same id) is published
+bad id / payload mismatch ``Reject(requeue=False)``: not run, dead-lettered where the broker can
+========================  ==================================================================
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+from celery import Task
+from celery.exceptions import Ignore, Reject
+from celery.signals import task_postrun
+
+from taskonce.celery_ext.config import AppState, app_state, guard_for
+from taskonce.celery_ext.routing import QUEUE_HEADER, delivery_queue
+from taskonce.errors import (
+    ConfigError,
+    InProgressElsewhere,
+    InvalidInput,
+    LeaseLost,
+    PayloadMismatch,
+    StoreUnavailable,
+)
+from taskonce.guard import Decision, Delivery, Guard, Ticket
+from taskonce.policy import Policy
+
+logger = logging.getLogger("taskonce.celery")
+
+ACKS_LATE_WARNING = (
+    "taskonce: guarded task %s runs without acks_late=True. Its message is acknowledged "
+    "before the body runs, so a worker that dies mid-task loses the message and taskonce has "
+    "nothing to run again once the claim's lease runs out. Set acks_late=True (and "
+    "reject_on_worker_lost=True) on guarded tasks: the guard turns the broker's redeliveries "
+    "into skips, so late acknowledgement costs no duplicates."
+)
+
+
+def lease_beyond(time_limit: float) -> float:
+    """The default lease of a task with a hard ``time_limit``: longer than the limit.
+
+    A hard time limit (like a ``WorkerLostError``) kills the child without running any task
+    hook, so the claim can only end by its lease: it must not end while the body may still be
+    running. ``time_limit + max(5 s, 10 %)``.
+    """
+    return time_limit + max(5.0, 0.1 * time_limit)
+
+
+@dataclasses.dataclass
+class _Active:
+    """The guarded delivery being run by this context (thread/greenlet)."""
+
+    guard: Guard
+    ticket: Ticket
+    settled: bool = False
+
+    def release(self, exc: BaseException | None = None) -> None:
+        """Undo the claim (eager) so a retry can claim again; once."""
+        if not self.settled:
+            self.settled = True
+            self.guard.fail(self.ticket, exc)
+
+
+_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
+    "taskonce_celery_active", default=None
+)
+
+
+#: The task id whose retry publish is being held back (inside ``IdempotentTask.retry``).
+_HOLDING: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "taskonce_celery_holding", default=None
+)
+#: Held retry publishes by task id: (signature, apply_async args, apply_async options).
+_HELD: dict[str, tuple[Any, tuple[Any, ...], dict[str, Any]]] = {}
+
+
+def publish_held_retry(task_id: str) -> None:
+    """Publish the retry message :meth:`IdempotentTask.retry` held back for ``task_id``.
+
+    A failed publish raises ``Reject(requeue=True)``: the message goes back to the broker
+    instead of being acknowledged with its retry lost.
+    """
+    held = _HELD.pop(task_id, None)
+    if held is None:
+        return
+    signature, publish_args, publish_options = held
+    try:
+        signature.apply_async(*publish_args, **publish_options)
+    except Exception as exc:
+        logger.error(
+            "taskonce: the retry of %s could not be published (%r); rejecting the message "
+            "back to the broker",
+            task_id,
+            exc,
+        )
+        raise _reject(exc, requeue=True) from exc
+
+
+def _publish_leftover_retry(sender: Any = None, task_id: Any = None, **_: Any) -> None:
+    # task_postrun runs after the state is stored, whatever on_retry did.
+    if isinstance(task_id, str) and task_id in _HELD:
+        logger.warning("taskonce: publishing the retry of %s from task_postrun", task_id)
+        publish_held_retry(task_id)
+
+
+task_postrun.connect(_publish_leftover_retry, weak=False, dispatch_uid="taskonce.celery_ext.retry")
+
+
+class IdempotentTask(Task):  # type: ignore[misc]
+    """Base class of Celery tasks that run once per ``(queue, task id)``.
+
+    ::
+
+        @app.task(base=IdempotentTask, acks_late=True, idempotency={"mode": "lazy"})
+        def charge(order_id): ...
+
+    :attr:`idempotency` overrides the policy of the queue the message arrived on (a dict
+    changes only the fields it names; a :class:`~taskonce.Policy` replaces it). Calling the
+    task directly (``charge(1)``) is a plain function call and is not guarded.
+    """
+
+    #: Per-task policy override: a dict of :class:`~taskonce.Policy` fields or a ``Policy``.
+    idempotency: Policy | Mapping[str, Any] | None = None
+
+    #: Refuses messages without a task id before Celery's own strategy (which would crash the
+    #: consumer on a missing ``id`` header).
+    Strategy = "taskonce.celery_ext.strategy:guarded"
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Check the ``idempotency`` option's fields when the task is bound to its app."""
+        super().on_bound(app)
+        if cls.idempotency is not None:
+            try:
+                Policy().overridden_by(cls.idempotency)
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"task {cls.name!r}: idempotency={cls.idempotency!r}: {exc}"
+                ) from None
+
+    # -- the guarded call ------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.called_directly:
+            return super().__call__(*args, **kwargs)
+        state = app_state(self.app)
+        guard = guard_for(self.app)
+        eager = bool(request.is_eager)
+        if eager and state.eager == "bypass":
+            return super().__call__(*args, **kwargs)
+        queue = delivery_queue(self, request)
+        delivery = Delivery(
+            message_id=request.id,
+            queue=queue,
+            task=self.name,
+            framework="celery",
+            attempt=int(request.retries or 0),
+            redelivered=_redelivered(request),
+            override=self._policy(state, guard, queue, request),
+        )
+        try:
+            ticket = guard.begin(delivery, args, kwargs)
+        except (InvalidInput, PayloadMismatch) as exc:
+            logger.error("taskonce: %s[%s] refused, not run: %s", self.name, request.id, exc)
+            if eager:
+                raise
+            raise _reject(exc, requeue=False) from exc
+        except StoreUnavailable as exc:
+            if eager:
+                raise
+            logger.warning(
+                "taskonce: %s[%s] not run, the store is unreachable (fail_closed); delivered "
+                "again in %.1fs: %s",
+                self.name,
+                request.id,
+                state.store_retry_delay,
+                exc,
+            )
+            self._deliver_later(request, args, kwargs, queue, state.store_retry_delay)
+
+        decision = ticket.decision
+        if decision is Decision.SKIP:
+            if ticket.policy.store_result:
+                logger.info(
+                    "taskonce: %s[%s] skipped as a duplicate; the first run returned %r",
+                    self.name,
+                    request.id,
+                    ticket.stored_result,
+                )
+            raise Ignore()
+        if decision is Decision.DEFER:
+            if eager:
+                assert ticket.key is not None
+                raise InProgressElsewhere(ticket.key, ticket.retry_after)
+            self._deliver_later(request, args, kwargs, queue, ticket.retry_after)
+        if decision is Decision.UNGUARDED:
+            return super().__call__(*args, **kwargs)
+
+        if not eager and not self.acks_late and self.name not in state.acks_late_warned:
+            state.acks_late_warned.add(self.name)
+            logger.warning(ACKS_LATE_WARNING, self.name)
+        active = _Active(guard, ticket)
+        token = _ACTIVE.set(active)
+        try:
+            try:
+                result = super().__call__(*args, **kwargs)
+            except BaseException as exc:
+                active.release(exc)
+                raise
+            if request.id in _HELD:
+                # The body caught its own Retry and returned: publish the retry as Celery
+                # would have, after releasing the claim; record nothing for this attempt.
+                active.release()
+                publish_held_retry(request.id)
+            elif not active.settled:
+                active.settled = True
+                self._finish(guard, ticket, result, request, args, kwargs, queue, eager, state)
+            return result
+        finally:
+            _ACTIVE.reset(token)
+
+    def _finish(
+        self,
+        guard: Guard,
+        ticket: Ticket,
+        result: Any,
+        request: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        queue: str,
+        eager: bool,
+        state: AppState,
+    ) -> None:
+        try:
+            guard.finish(ticket, result)
+        except LeaseLost as exc:
+            # Another delivery took the claim over: that one is the run of record, this one
+            # is the duplicate. Store nothing, send no callbacks.
+            logger.warning("taskonce: %s[%s] lost its claim: %s", self.name, request.id, exc)
+            raise Ignore() from exc
+        except StoreUnavailable as exc:
+            if not ticket.policy.transactional:
+                # The body's effects happened; only the record of them is missing.
+                logger.error(
+                    "taskonce: %s[%s] ran but could not be recorded: %s", self.name, request.id, exc
+                )
+                return
+            # Transactional: the body's writes were rolled back with the mark: run it again.
+            guard.fail(ticket, exc)
+            if eager:
+                raise
+            logger.warning(
+                "taskonce: %s[%s] could not commit (store unreachable); its writes were rolled "
+                "back; delivered again in %.1fs",
+                self.name,
+                request.id,
+                state.store_retry_delay,
+            )
+            self._deliver_later(request, args, kwargs, queue, state.store_retry_delay)
+        except InvalidInput as exc:
+            # store_result with a result JSON cannot hold: the key is recorded as handled.
+            logger.error("taskonce: %s[%s]: %s", self.name, request.id, exc)
+        except BaseException as exc:
+            guard.fail(ticket, exc)
+            raise
+
+    def _policy(self, state: AppState, guard: Guard, queue: str, request: Any) -> Policy:
+        """The policy for a delivery on ``queue``: the queue's, this task's option over it, and
+        a lease longer than the task's hard time limit unless the option names one."""
+        limit = _hard_time_limit(self, request)
+        cache_key = (self.name, queue, limit)
+        policy = state.policies.get(cache_key)
+        if policy is not None:
+            return policy
+        override = self.idempotency
+        try:
+            policy = guard.policy_for(queue, override)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"task {self.name!r}: idempotency={override!r} on queue {queue!r}: {exc}"
+            ) from None
+        if limit is not None and policy.enabled and policy.lease <= limit:
+            explicit = isinstance(override, Policy) or (
+                isinstance(override, Mapping) and "lease" in override
+            )
+            if explicit:
+                logger.warning(
+                    "taskonce: task %s has lease=%ss but a hard time limit of %ss: a claim can "
+                    "run out while the body still runs",
+                    self.name,
+                    policy.lease,
+                    limit,
+                )
+            else:
+                policy = policy.replace(lease=lease_beyond(limit))
+        state.policies[cache_key] = policy
+        return policy
+
+    def _deliver_later(
+        self,
+        request: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        queue: str,
+        delay: float,
+    ) -> NoReturn:
+        """Publish this message again (same id, same ``retries``, same links and chain) to
+        ``queue`` after ``delay`` seconds, then acknowledge this delivery with ``Ignore``."""
+        signature = self.signature_from_request(
+            request, args, kwargs, queue=queue, countdown=max(delay, 0.0)
+        )
+        try:
+            signature.apply_async()
+        except Exception as exc:
+            logger.error(
+                "taskonce: %s[%s] could not be published again (%r); rejecting it back to the "
+                "broker instead",
+                self.name,
+                request.id,
+                exc,
+            )
+            raise _reject(exc, requeue=True) from exc
+        raise Ignore()
+
+    # -- Celery moments that publish the same id -------------------------------------------
+
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: Any = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's :meth:`~celery.Task.retry` (and so ``autoretry_for``), reordered so that
+        the retry message is published only after this attempt's claim is released *and* its
+        ``RETRY`` state is stored.
+
+        Celery publishes the retry inside ``retry()``, before ``Retry`` propagates: a claim
+        still held then would make the retry look like a duplicate in progress, and the next
+        attempt (``countdown=0``, another pool process) can finish and store ``SUCCESS`` before
+        this attempt's ``RETRY`` state lands on top of it. Here the publish is held back; the
+        claim is released when ``Retry`` leaves the body and the message is published from
+        :meth:`on_retry`, which Celery calls after storing the state. With ``throw=False`` the
+        claim is released and the retry published at once, as Celery does.
+        """
+        request = self.request
+        active = _ACTIVE.get()
+        ours = active is not None and active.ticket.delivery.message_id == request.id
+        hold = ours and throw and not request.is_eager and not request.called_directly
+        if not hold:
+            if ours:
+                self._release_active()
+            return super().retry(
+                args=args,
+                kwargs=kwargs,
+                exc=exc,
+                throw=throw,
+                eta=eta,
+                countdown=countdown,
+                max_retries=max_retries,
+                **options,
+            )
+        token = _HOLDING.set(request.id)
+        try:
+            return super().retry(
+                args=args,
+                kwargs=kwargs,
+                exc=exc,
+                throw=throw,
+                eta=eta,
+                countdown=countdown,
+                max_retries=max_retries,
+                **options,
+            )
+        finally:
+            _HOLDING.reset(token)
+
+    def signature_from_request(
+        self, request: Any = None, args: Any = None, kwargs: Any = None, **options: Any
+    ) -> Any:
+        """Celery's, except that inside :meth:`retry` the signature's publish is held back
+        until :meth:`on_retry`."""
+        signature = super().signature_from_request(request, args, kwargs, **options)
+        task_id = (self.request if request is None else request).id
+        if _HOLDING.get() == task_id and task_id is not None:
+
+            def hold(*publish_args: Any, **publish_options: Any) -> None:
+                del signature.apply_async  # the instance attribute: unpicklable, one use
+                _HELD[task_id] = (signature, publish_args, publish_options)
+
+            signature.apply_async = hold
+        return signature
+
+    def on_retry(
+        self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any
+    ) -> None:
+        """Publish the retry held back by :meth:`retry` (Celery calls this after storing the
+        ``RETRY`` state). A subclass that overrides it should call ``super().on_retry``; if
+        it does not, the ``task_postrun`` receiver publishes the retry instead."""
+        super().on_retry(exc, task_id, args, kwargs, einfo)
+        publish_held_retry(task_id)
+
+    def replace(self, sig: Any) -> Any:
+        """Celery's :meth:`~celery.Task.replace`, after releasing this delivery's claim: the
+        replacement carries the same task id and must be able to claim it."""
+        self._release_active()
+        return super().replace(sig)
+
+    def apply(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        """Celery's :meth:`~celery.Task.apply` (eager execution); a ``queue=`` option (as
+        ``apply_async`` passes it under ``task_always_eager``) names the queue whose policy
+        guards the eager run."""
+        queue = options.get("queue")
+        name = getattr(queue, "name", queue)
+        if isinstance(name, str) and name:
+            headers = dict(options.get("headers") or {})
+            headers.setdefault(QUEUE_HEADER, name)
+            options["headers"] = headers
+        return super().apply(args, kwargs, **options)
+
+    def _release_active(self) -> None:
+        active = _ACTIVE.get()
+        if active is not None and active.ticket.delivery.message_id == self.request.id:
+            active.release()
+
+
+def _reject(reason: BaseException, requeue: bool) -> Reject:
+    """A ``Reject`` whose reason crosses process boundaries: the prefork pool pickles it back to
+    the worker's main process, and taskonce's errors with several constructor arguments
+    (``PayloadMismatch``, ``LeaseLost``, ``InProgressElsewhere``) do not unpickle — the main
+    process would stop with an unrecoverable error. So the reason is carried as text."""
+    return Reject(f"{type(reason).__name__}: {reason}", requeue=requeue)
+
+
+def _hard_time_limit(task: Any, request: Any) -> float | None:
+    limits = request.timelimit
+    hard = limits[0] if isinstance(limits, (list, tuple)) and limits else None
+    if hard is None:
+        hard = task.time_limit
+    if isinstance(hard, bool) or not isinstance(hard, (int, float)) or hard <= 0:
+        return None
+    return float(hard)
+
+
+def _redelivered(request: Any) -> bool | None:
+    info = request.delivery_info
+    if not isinstance(info, Mapping) or "redelivered" not in info:
+        return None
+    value = info.get("redelivered")
+    return None if value is None else bool(value)
