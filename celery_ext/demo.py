@@ -15,9 +15,7 @@ afterwards.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import json
 import os
 import random
 import shutil
@@ -30,6 +28,8 @@ import uuid
 import warnings
 from pathlib import Path
 from typing import Any, TextIO
+
+from taskonce import _demo
 
 #: every n-th charge is published a second time with the same task id
 DUPLICATE_EVERY = 5
@@ -47,69 +47,6 @@ def broker_options(broker: str, namespace: str) -> dict[str, Any]:
     if broker.startswith("sqla+sqlite"):
         return {"connect_args": {"timeout": 30}}
     return {}
-
-
-class _Events:
-    """Counts the events the worker processes append to the JSONL file, read incrementally."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def update(self) -> collections.Counter[str]:
-        try:
-            with open(self.path, "rb") as handle:
-                handle.seek(self.offset)
-                data = handle.read()
-        except FileNotFoundError:
-            return self.counts
-        end = data.rfind(b"\n") + 1  # only whole lines; a line being written waits
-        for line in data[:end].splitlines():
-            if line.strip():
-                self.counts[json.loads(line)["event"]] += 1
-        self.offset += end
-        return self.counts
-
-
-class _Progress:
-    """A progress bar on a terminal; a line per quarter elsewhere."""
-
-    def __init__(self, out: TextIO, total: int) -> None:
-        self.out = out
-        self.total = max(total, 1)
-        self.tty = bool(getattr(out, "isatty", lambda: False)())
-        self.quarter = -1
-
-    def draw(self, done: int, counts: collections.Counter[str]) -> None:
-        text = (
-            f"{done:>5}/{self.total} charged · {counts['duplicate_skipped']} duplicates skipped"
-            f" · {counts['in_progress_deferred']} deferred"
-        )
-        if self.tty:
-            width = 28
-            filled = min(width, width * done // self.total)
-            self.out.write(f"\r  [{'█' * filled}{'░' * (width - filled)}] {text}")
-            self.out.flush()
-            return
-        quarter = min(4, 4 * done // self.total)
-        if quarter > self.quarter:
-            self.quarter = quarter
-            self.out.write(f"  {100 * done // self.total:>3}%  {text}\n")
-            self.out.flush()
-
-    def end(self) -> None:
-        if self.tty:
-            self.out.write("\n")
-            self.out.flush()
-
-
-def _dollars(cents: int) -> str:
-    return f"${cents / 100:,.2f}"
-
-
-def _is_sql(url: str) -> bool:
-    return not url.startswith(("redis", "rediss", "unix", "memory"))
 
 
 def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) -> int:
@@ -136,7 +73,7 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
     store_url = store or f"sqlite:///{workdir / 'store.db'}"
     broker_url = broker or f"sqla+sqlite:///{workdir / 'broker.db'}"
     queue = f"taskonce-demo-{tag}"
-    sql = _is_sql(store_url)
+    sql = _demo.is_sql(store_url)
     ledger_table = f"taskonce_demo_ledger_{tag}"
     ledger = f"sql:{ledger_table}" if sql else f"sqlite:{workdir / 'ledger.db'}"
 
@@ -165,7 +102,7 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
     app: Any = None
     ok = False
     try:
-        _prepare_ledger(store_url, ledger, ledger_table)
+        _demo.prepare_ledger(store_url, ledger, ledger_table)
         env = {
             **os.environ,
             "TASKONCE_DEMO_BROKER": broker_url,
@@ -197,7 +134,7 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
         while not (workdir / "ready").exists():
             if worker.poll() is not None or time.monotonic() > deadline:
                 out.write("failed\n")
-                _tail(workdir / "worker.log", out)
+                _demo.tail(workdir / "worker.log", out)
                 return 1
             time.sleep(0.05)
         out.write(f"ready (pid {worker.pid}) after {time.monotonic() - started:.1f}s\n")
@@ -244,8 +181,8 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
         )
         out.flush()
 
-        events = _Events(workdir / "events.jsonl")
-        progress = _Progress(out, count)
+        events = _demo.Events(workdir / "events.jsonl")
+        progress = _demo.Progress(out, count)
         killed: str | None = None
         victim_file = workdir / "victim.pid"
         while True:
@@ -270,12 +207,12 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
         progress.end()
         if worker.poll() is not None:
             out.write("  the worker stopped unexpectedly:\n")
-            _tail(workdir / "worker.log", out)
-        _stop(worker)
+            _demo.tail(workdir / "worker.log", out)
+        _demo.stop(worker)
         worker = None
         counts = events.update()
 
-        rows, balance = _read_ledger(store_url, ledger, ledger_table)
+        rows, balance = _demo.read_ledger(store_url, ledger, ledger_table)
         expected = sum(cents for _, cents, _ in orders)
         delivered = sum(counts[name] for name in _DECISIONS)
         ran = counts["claimed"] + counts["lease_taken_over"]
@@ -296,8 +233,8 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
             ("deferred in flight", str(counts["in_progress_deferred"]),
              "arrived while the charge was running: delivered again after the lease"),
             ("ledger rows", str(rows), f"of {count} orders"),
-            ("balance expected", _dollars(expected), ""),
-            ("balance seen", _dollars(balance),
+            ("balance expected", _demo.dollars(expected), ""),
+            ("balance seen", _demo.dollars(balance),
              "✓ every order charged exactly once" if ok else "✗ MISMATCH"),
         ]  # fmt: skip
         for label, value, note in lines:
@@ -313,89 +250,15 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
         return 130
     finally:
         if worker is not None:
-            _stop(worker)
+            _demo.stop(worker)
         if app is not None:
             with contextlib.suppress(Exception):
                 _clean_broker(app, broker_url, queue, namespace)
             app.close()
         with contextlib.suppress(Exception):
-            _clean_store(store_url, namespace, ledger_table, temporary=store is None)
+            _demo.clean_store(store_url, namespace, ledger_table, temporary=store is None)
         if ok and not os.environ.get("TASKONCE_DEMO_KEEP"):
             shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _prepare_ledger(store_url: str, ledger: str, table: str) -> None:
-    kind, _, target = ledger.partition(":")
-    if kind == "sqlite":
-        import sqlite3
-
-        with sqlite3.connect(target) as conn:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS ledger (id INTEGER PRIMARY KEY, order_id TEXT, "
-                "cents INTEGER)"
-            )
-        return
-    import sqlalchemy as sa
-
-    engine = sa.create_engine(store_url)
-    try:
-        metadata = sa.MetaData()
-        sa.Table(
-            table,
-            metadata,
-            sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-            sa.Column("order_id", sa.String(64), nullable=False),
-            sa.Column("cents", sa.Integer, nullable=False),
-        )
-        metadata.create_all(engine)
-    finally:
-        engine.dispose()
-
-
-def _read_ledger(store_url: str, ledger: str, table: str) -> tuple[int, int]:
-    kind, _, target = ledger.partition(":")
-    if kind == "sqlite":
-        import sqlite3
-
-        with sqlite3.connect(target, timeout=30) as conn:
-            row = conn.execute("SELECT count(*), coalesce(sum(cents), 0) FROM ledger").fetchone()
-        return int(row[0]), int(row[1])
-    import sqlalchemy as sa
-
-    engine = sa.create_engine(store_url)
-    try:
-        with engine.connect() as conn:
-            row = conn.execute(
-                # the table name is the demo's own, generated above
-                sa.text(f"SELECT count(*), coalesce(sum(cents), 0) FROM {table}")  # noqa: S608
-            ).one()
-        return int(row[0]), int(row[1])
-    finally:
-        engine.dispose()
-
-
-def _stop(worker: subprocess.Popen[bytes]) -> None:
-    """Stop the worker's whole process group: TERM, then KILL."""
-    with contextlib.suppress(ProcessLookupError):
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGTERM)
-            try:
-                worker.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        os.killpg(worker.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        worker.wait(timeout=5)
-
-
-def _tail(path: Path, out: TextIO, lines: int = 15) -> None:
-    try:
-        text = path.read_text(errors="replace").splitlines()[-lines:]
-    except FileNotFoundError:
-        return
-    for line in text:
-        out.write(f"    {line}\n")
 
 
 def _clean_broker(app: Any, broker_url: str, queue: str, namespace: str) -> None:
@@ -417,28 +280,3 @@ def _clean_broker(app: Any, broker_url: str, queue: str, namespace: str) -> None
             channel = conn.channel()
             entity.Queue(queue, channel=channel).delete()
             entity.Exchange(queue, channel=channel).delete()
-
-
-def _clean_store(store_url: str, namespace: str, ledger_table: str, temporary: bool) -> None:
-    if temporary:
-        return  # the SQLite files go with the temporary directory
-    if _is_sql(store_url):
-        import sqlalchemy as sa
-
-        engine = sa.create_engine(store_url)
-        try:
-            with engine.begin() as conn:
-                for table in (namespace, ledger_table):
-                    conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}"))
-        finally:
-            engine.dispose()
-    elif store_url.startswith(("redis", "rediss", "unix")):
-        import redis
-
-        client = redis.Redis.from_url(store_url)
-        try:
-            keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
-            if keys:
-                client.delete(*keys)
-        finally:
-            client.close()

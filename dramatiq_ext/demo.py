@@ -23,9 +23,7 @@ creates there carries a random name and is removed afterwards.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import json
 import os
 import random
 import shutil
@@ -39,6 +37,8 @@ import uuid
 from pathlib import Path
 from typing import Any, TextIO
 
+from taskonce import _demo
+
 #: every n-th charge is published a second time with the same message id
 DUPLICATE_EVERY = 5
 #: the claim lease of the demo (the killed charge waits this long before it runs again)
@@ -49,65 +49,6 @@ DEADLINE = 90.0
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 WORKERS = 2
 _DECISIONS = ("claimed", "lease_taken_over", "duplicate_skipped", "in_progress_deferred")
-
-
-class _Events:
-    """Counts the events the workers append to the JSONL file, read incrementally."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def update(self) -> collections.Counter[str]:
-        try:
-            with open(self.path, "rb") as handle:
-                handle.seek(self.offset)
-                data = handle.read()
-        except FileNotFoundError:
-            return self.counts
-        end = data.rfind(b"\n") + 1  # only whole lines; a line being written waits
-        for line in data[:end].splitlines():
-            if line.strip():
-                self.counts[json.loads(line)["event"]] += 1
-        self.offset += end
-        return self.counts
-
-
-class _Progress:
-    """A progress bar on a terminal; a line per quarter elsewhere."""
-
-    def __init__(self, out: TextIO, total: int) -> None:
-        self.out = out
-        self.total = max(total, 1)
-        self.tty = bool(getattr(out, "isatty", lambda: False)())
-        self.quarter = -1
-
-    def draw(self, done: int, counts: collections.Counter[str]) -> None:
-        text = (
-            f"{done:>5}/{self.total} charged · {counts['duplicate_skipped']} duplicates skipped"
-            f" · {counts['in_progress_deferred']} deferred"
-        )
-        if self.tty:
-            width = 28
-            filled = min(width, width * done // self.total)
-            self.out.write(f"\r  [{'█' * filled}{'░' * (width - filled)}] {text}")
-            self.out.flush()
-            return
-        quarter = min(4, 4 * done // self.total)
-        if quarter > self.quarter:
-            self.quarter = quarter
-            self.out.write(f"  {100 * done // self.total:>3}%  {text}\n")
-            self.out.flush()
-
-    def clear(self) -> None:
-        if self.tty:
-            self.out.write("\r" + " " * 90 + "\r")
-
-    def end(self) -> None:
-        if self.tty:
-            self.out.write("\n")
-            self.out.flush()
 
 
 class _EmbeddedRedis:
@@ -153,14 +94,6 @@ def _redis_answers(url: str) -> bool:
         return False
     finally:
         client.close()
-
-
-def _dollars(cents: int) -> str:
-    return f"${cents / 100:,.2f}"
-
-
-def _is_sql(url: str) -> bool:
-    return not url.startswith(("redis", "rediss", "unix", "memory"))
 
 
 def _choose_broker(broker: str | None, workdir: Path) -> tuple[str, str, _EmbeddedRedis | None]:
@@ -212,7 +145,7 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
     namespace = f"taskonce_demo_{tag}"
     queue = namespace
     store_url = store or f"sqlite:///{workdir / 'store.db'}"
-    sql = _is_sql(store_url)
+    sql = _demo.is_sql(store_url)
     ledger_table = f"taskonce_demo_ledger_{tag}"
     ledger = f"sql:{ledger_table}" if sql else f"sqlite:{workdir / 'ledger.db'}"
 
@@ -250,7 +183,7 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
         )
         out.flush()
 
-        _prepare_ledger(store_url, ledger, ledger_table)
+        _demo.prepare_ledger(store_url, ledger, ledger_table)
         env = {
             **os.environ,
             "TASKONCE_DEMO_BROKER": broker_url,
@@ -284,7 +217,7 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
             if any(w.poll() is not None for w in workers) or time.monotonic() > deadline:
                 out.write("failed\n")
                 for n in range(WORKERS):
-                    _tail(workdir / f"worker-{n}.log", out)
+                    _demo.tail(workdir / f"worker-{n}.log", out)
                 return 1
             time.sleep(0.05)
         out.write(
@@ -325,8 +258,8 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
         )
         out.flush()
 
-        events = _Events(workdir / "events.jsonl")
-        progress = _Progress(out, count)
+        events = _demo.Events(workdir / "events.jsonl")
+        progress = _demo.Progress(out, count)
         killed: str | None = None
         victim_file = workdir / "victim.pid"
         # Progress is the ledger itself: a worker killed between its commit and its
@@ -335,7 +268,10 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
         while True:
             counts = events.update()
             if time.monotonic() - polled > 0.3:
-                charged, polled = _read_ledger(store_url, ledger, ledger_table)[0], time.monotonic()
+                charged, polled = (
+                    _demo.read_ledger(store_url, ledger, ledger_table)[0],
+                    time.monotonic(),
+                )
             if killed is None and victim_file.exists():
                 with contextlib.suppress(ValueError, ProcessLookupError):
                     pid = int(victim_file.read_text().strip() or 0)
@@ -357,13 +293,13 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
         if not any(w.poll() is None for w in workers):
             out.write("  the workers stopped unexpectedly:\n")
             for n in range(WORKERS):
-                _tail(workdir / f"worker-{n}.log", out)
+                _demo.tail(workdir / f"worker-{n}.log", out)
         for worker in workers:
-            _stop(worker)
+            _demo.stop(worker)
         workers = []
         counts = events.update()
 
-        rows, balance = _read_ledger(store_url, ledger, ledger_table)
+        rows, balance = _demo.read_ledger(store_url, ledger, ledger_table)
         expected = sum(cents for _, cents, _ in orders)
         delivered = sum(counts[name] for name in _DECISIONS)
         ran = counts["claimed"] + counts["lease_taken_over"]
@@ -384,8 +320,8 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
             ("deferred in flight", str(counts["in_progress_deferred"]),
              "arrived while the charge was running: enqueued again for after the lease"),
             ("ledger rows", str(rows), f"of {count} orders"),
-            ("balance expected", _dollars(expected), ""),
-            ("balance seen", _dollars(balance),
+            ("balance expected", _demo.dollars(expected), ""),
+            ("balance seen", _demo.dollars(balance),
              "✓ every order charged exactly once" if ok else "✗ MISMATCH"),
         ]  # fmt: skip
         for label, value, note in lines:
@@ -401,7 +337,7 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
         return 130
     finally:
         for worker in workers:
-            _stop(worker)
+            _demo.stop(worker)
         if publisher is not None:
             with contextlib.suppress(Exception):
                 publisher.close()
@@ -411,81 +347,9 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
             with contextlib.suppress(Exception):
                 _clean_broker(broker_url, queue)
         with contextlib.suppress(Exception):
-            _clean_store(store_url, namespace, ledger_table, temporary=store is None)
+            _demo.clean_store(store_url, namespace, ledger_table, temporary=store is None)
         if ok:
             shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _prepare_ledger(store_url: str, ledger: str, table: str) -> None:
-    kind, _, target = ledger.partition(":")
-    if kind == "sqlite":
-        import sqlite3
-
-        with sqlite3.connect(target) as conn:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS ledger (id INTEGER PRIMARY KEY, order_id TEXT, "
-                "cents INTEGER)"
-            )
-        return
-    import sqlalchemy as sa
-
-    engine = sa.create_engine(store_url)
-    try:
-        metadata = sa.MetaData()
-        sa.Table(
-            table,
-            metadata,
-            sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-            sa.Column("order_id", sa.String(64), nullable=False),
-            sa.Column("cents", sa.Integer, nullable=False),
-        )
-        metadata.create_all(engine)
-    finally:
-        engine.dispose()
-
-
-def _read_ledger(store_url: str, ledger: str, table: str) -> tuple[int, int]:
-    kind, _, target = ledger.partition(":")
-    if kind == "sqlite":
-        import sqlite3
-
-        with sqlite3.connect(target, timeout=30) as conn:
-            row = conn.execute("SELECT count(*), coalesce(sum(cents), 0) FROM ledger").fetchone()
-        return int(row[0]), int(row[1])
-    import sqlalchemy as sa
-
-    engine = sa.create_engine(store_url)
-    try:
-        with engine.connect() as conn:
-            row = conn.execute(
-                # the table name is the demo's own, generated: taskonce_demo_ledger_<hex>
-                sa.text(f"SELECT count(*), coalesce(sum(cents), 0) FROM {table}")  # noqa: S608
-            ).one()
-        return int(row[0]), int(row[1])
-    finally:
-        engine.dispose()
-
-
-def _stop(worker: subprocess.Popen[bytes]) -> None:
-    """Stop a worker's whole process group: TERM, then KILL."""
-    with contextlib.suppress(ProcessLookupError):
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                worker.wait(timeout=5)
-        os.killpg(worker.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        worker.wait(timeout=5)
-
-
-def _tail(path: Path, out: TextIO, lines: int = 15) -> None:
-    try:
-        text = path.read_text(errors="replace").splitlines()[-lines:]
-    except FileNotFoundError:
-        return
-    for line in text:
-        out.write(f"    {line}\n")
 
 
 def _clean_broker(broker_url: str, queue: str) -> None:
@@ -506,32 +370,6 @@ def _clean_broker(broker_url: str, queue: str) -> None:
     client = redis.Redis.from_url(broker_url)
     try:
         keys = list(client.scan_iter(match=f"{queue}:*", count=1000))
-        for start in range(0, len(keys), 1000):
-            client.delete(*keys[start : start + 1000])
-    finally:
-        client.close()
-
-
-def _clean_store(store_url: str, namespace: str, ledger_table: str, temporary: bool) -> None:
-    """Remove the demo's records (and ledger table) from a store the user named."""
-    if temporary:
-        return  # inside the temporary directory
-    if _is_sql(store_url):
-        import sqlalchemy as sa
-
-        engine = sa.create_engine(store_url)
-        try:
-            with engine.begin() as conn:
-                for table in (namespace, ledger_table):
-                    conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}"))
-        finally:
-            engine.dispose()
-        return
-    import redis
-
-    client = redis.Redis.from_url(store_url)
-    try:
-        keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
         for start in range(0, len(keys), 1000):
             client.delete(*keys[start : start + 1000])
     finally:
