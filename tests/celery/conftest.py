@@ -353,3 +353,16 @@ def effects(pg: Any) -> Iterator[Table]:
         yield Table(name, pg)
     finally:
         pg.execute(f"DROP TABLE IF EXISTS {name}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Transactional mode needs an SQL store: its tests run on the PostgreSQL-store stacks
+    only (deselected, and counted as such, on the Redis-store ones)."""
+    dropped = [
+        item
+        for item in items
+        if item.get_closest_marker("sql_store_only") and "redis-store" in item.nodeid
+    ]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item not in dropped]

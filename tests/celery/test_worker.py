@@ -157,13 +157,12 @@ def test_per_queue_policies_and_task_override(stack: Stack, runs: Table) -> None
     assert runs.count("q-eager") == runs.count("q-lazy") == runs.count("q-override") == 1
 
 
+@pytest.mark.sql_store_only
 def test_transactional_queue_one_committed_effect(
     stack: Stack, runs: Table, effects: Table
 ) -> None:
     """Transactional mode (PostgreSQL store): the effect row commits with the mark. An
     attempt that retries rolls its row back; duplicates add nothing."""
-    if stack.store != "postgresql":
-        pytest.skip("transactional mode needs an SQL store")
     task_id = new_id()
     stack.send(
         "t.effect",
