@@ -374,20 +374,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         active = _ACTIVE.get()
         ours = active is not None and active.ticket.delivery.message_id == request.id
         hold = ours and throw and not request.is_eager and not request.called_directly
-        if not hold:
-            if ours:
-                self._release_active()
-            return super().retry(
-                args=args,
-                kwargs=kwargs,
-                exc=exc,
-                throw=throw,
-                eta=eta,
-                countdown=countdown,
-                max_retries=max_retries,
-                **options,
-            )
-        token = _HOLDING.set(request.id)
+        if ours and not hold:
+            self._release_active()
+        token = _HOLDING.set(request.id) if hold else None
         try:
             return super().retry(
                 args=args,
@@ -400,7 +389,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 **options,
             )
         finally:
-            _HOLDING.reset(token)
+            if token is not None:
+                _HOLDING.reset(token)
 
     def signature_from_request(
         self, request: Any = None, args: Any = None, kwargs: Any = None, **options: Any
