@@ -7,87 +7,23 @@ by its pid.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 import sqlalchemy as sa
 
 from tests.dramatiq.conftest import REDIS_REDIS, harness_for
-from tests.helpers import IN_CI, free_port, wait_for
-
-
-class RedisServer:
-    def __init__(self, port: int, workdir: Path) -> None:
-        self.port = port
-        self.workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def answers(self) -> bool:
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
-        try:
-            return bool(client.ping())
-        except redis.exceptions.ConnectionError:
-            return False
-        finally:
-            client.close()
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        assert binary is not None
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        wait_for(self.answers, timeout=10, what=f"redis-server on port {self.port}")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-            self.proc = None
-        wait_for(lambda: not self.answers(), timeout=10, what="redis-server to stop")
+from tests.helpers import RedisServer
 
 
 @pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        message = "redis-server binary not found (needed to stop and restart a store)"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
-    server = RedisServer(free_port(), tmp_path)
-    server.start()
+def own_redis() -> Iterator[RedisServer]:
+    server = RedisServer().start()  # fails in CI, skips locally, without redis-server
     try:
         yield server
     finally:
-        if server.proc is not None:
-            server.stop()
+        server.stop()
 
 
 def test_store_down_fail_closed_waits_fail_open_runs(
