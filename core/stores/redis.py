@@ -25,12 +25,17 @@ Fork safety: redis-py's ``ConnectionPool`` remembers the pid that created it and
 the installed redis-py 8.1 source, ``redis/connection.py``). A store opened in a Celery or
 Dramatiq parent therefore works in every child without sharing a socket. The registered
 ``Script`` objects hold only the script text and its SHA1, so they are fine across a fork.
+The queue of callers that share a round trip (:class:`_SharedTrips`) is rebuilt in a forked
+child before any of its threads runs (``os.register_at_fork``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import parse_qsl, urlencode
@@ -185,6 +190,16 @@ return {now, h[1], h[2], h[3], h[4], h[5], h[6], h[7]}
 """
 )
 
+
+def _cannot_answer(exc: BaseException) -> bool:
+    """Whether ``exc`` means "Redis cannot answer right now" (a script that runs too long
+    elsewhere blocks the server: ``BUSY Redis is busy …``)."""
+    return isinstance(exc, _UNAVAILABLE) or (
+        isinstance(exc, redis.exceptions.ResponseError)
+        and str(exc).startswith(("BUSY", "LOADING", "MASTERDOWN"))
+    )
+
+
 _STATUS = {"i": Status.IN_PROGRESS, "c": Status.COMPLETED}
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
@@ -223,6 +238,126 @@ def _safe_url(url: str) -> str:
     masked = [(name, "***" if name.lower() == "password" else val) for name, val in pairs]
     # Rebuilt by hand: urlunsplit would turn "unix:///path" into "unix:/path".
     return f"{head}?{urlencode(masked, safe='*/')}{hash_mark}{fragment}"
+
+
+class _Call:
+    """One caller's script, waiting for its turn in a shared round trip."""
+
+    __slots__ = ("args", "error", "leads", "name", "ready", "reply", "script")
+
+    def __init__(self, script: Script, name: str, args: Sequence[Any]) -> None:
+        self.script = script
+        self.name = name
+        self.args = args
+        self.reply: Any = None
+        self.error: BaseException | None = None
+        # A plain lock used as a one-shot signal: cheaper than threading.Event, which builds a
+        # Condition per instance and takes two locks to wait.
+        self.ready = threading.Lock()
+        self.ready.acquire()
+        self.leads = False  # woken to send the queue, not because its reply is in
+
+
+class _SharedTrips:
+    """Lets the threads of one process share Redis round trips (group commit).
+
+    A caller that finds no round trip in flight sends its script at once, as a plain EVALSHA.
+    Callers that arrive while one is in flight queue up; when it is back, the first of them
+    sends the whole queue as one pipeline (no MULTI) and hands every caller its own reply or
+    error. Each script still runs atomically on its own key, so results are those of some
+    order of the calls, as they would be without sharing; only the system calls and the
+    client's per-command work are shared. Dramatiq's 8 worker threads, Celery's threads pool
+    and the heartbeat thread call the store at the same moments; on a machine where a round
+    trip is mostly system-call time this more than halves the store's CPU per operation
+    (``bench/store_ops.py --threads``, docs/performance.md). A single-threaded process (Celery
+    prefork) always takes the first path.
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+        self._reset()
+        # A lock or a queued caller of the parent's threads must not survive into a child,
+        # where those threads do not exist. The weak reference lets the store be collected.
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _reset_if_alive(ref))
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._queued: list[_Call] = []
+        self._busy = False
+
+    def run(self, script: Script, name: str, args: Sequence[Any]) -> _Call:
+        """Run ``script`` on key ``name``; the returned call holds its reply or its error."""
+        call = _Call(script, name, args)
+        with self._lock:
+            waits = self._busy
+            if waits:
+                self._queued.append(call)
+            else:
+                self._busy = True
+        if waits:
+            call.ready.acquire()
+            if not call.leads:
+                return call
+            with self._lock:
+                batch, self._queued = self._queued, []  # this call is batch[0]
+        else:
+            batch = [call]
+        try:
+            self._send(batch)
+        finally:
+            self._hand_over(batch, call)
+        return call
+
+    def _send(self, batch: list[_Call]) -> None:
+        if len(batch) == 1:
+            self._send_one(batch[0])
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for call in batch:
+            pipe.evalsha(call.script.sha, 1, call.name, *call.args)
+        try:
+            replies = pipe.execute(raise_on_error=False)
+        except BaseException as exc:  # the whole round trip failed: every caller learns why
+            for call in batch:
+                call.error = exc
+            return
+        for call, reply in zip(batch, replies, strict=True):
+            if isinstance(reply, redis.exceptions.NoScriptError):
+                self._send_one(call)  # loads the script (after a restart or SCRIPT FLUSH)
+            elif isinstance(reply, BaseException):
+                call.error = reply
+            else:
+                call.reply = reply
+
+    def _send_one(self, call: _Call) -> None:
+        try:
+            try:
+                call.reply = self._client.evalsha(call.script.sha, 1, call.name, *call.args)
+            except redis.exceptions.NoScriptError:
+                call.reply = call.script(keys=[call.name], args=list(call.args))
+        except BaseException as exc:
+            call.error = exc
+
+    def _hand_over(self, batch: list[_Call], sender: _Call) -> None:
+        """Wake the callers whose replies are in, and the next sender if any queued meanwhile."""
+        with self._lock:
+            successor = self._queued[0] if self._queued else None
+            if successor is None:
+                self._busy = False
+            else:
+                successor.leads = True
+        for call in batch:
+            if call is not sender:
+                call.ready.release()
+        if successor is not None:
+            successor.ready.release()
+
+
+def _reset_if_alive(ref: weakref.ref[_SharedTrips]) -> None:
+    trips = ref()
+    if trips is not None:
+        trips._reset()
 
 
 class RedisStore(Store):
@@ -282,6 +417,7 @@ class RedisStore(Store):
         self._renew = self._client.register_script(_RENEW)
         self._mark = self._client.register_script(_MARK)
         self._get = self._client.register_script(_GET)
+        self._trips = _SharedTrips(self._client)
         logger.debug("opened %s", self.describe())
 
     def _open(self, url: str, socket_timeout: float) -> redis.Redis:
@@ -339,30 +475,23 @@ class RedisStore(Store):
         """Run one round trip, turning "Redis cannot answer" into StoreUnavailable."""
         try:
             return fn()
-        except _UNAVAILABLE as exc:
-            self._unavailable(operation, key, exc)
-        except redis.exceptions.ResponseError as exc:
-            # A script that runs too long elsewhere blocks the server: "BUSY Redis is busy …".
-            if str(exc).startswith(("BUSY", "LOADING", "MASTERDOWN")):
+        except Exception as exc:
+            if _cannot_answer(exc):
                 self._unavailable(operation, key, exc)
             raise
 
     def _run(self, operation: str, script: Script, key: str, args: Sequence[Any]) -> Any:
-        # EVALSHA straight on the client: redis-py's Script.__call__ costs a measurable share
-        # of a round trip (bench/store_ops.py). Script.__call__ remains the NOSCRIPT path: it
-        # loads the script (after a restart or SCRIPT FLUSH) and runs it.
-        name = self._key(key)
-        try:
-            try:
-                return self._client.evalsha(script.sha, 1, name, *args)
-            except redis.exceptions.NoScriptError:
-                return script(keys=[name], args=list(args))
-        except _UNAVAILABLE as exc:
+        # EVALSHA straight on the client (redis-py's Script.__call__ costs a measurable share
+        # of a round trip), shared with other threads' calls when they coincide.
+        call = self._trips.run(script, self._key(key), args)
+        exc = call.error
+        if exc is None:
+            return call.reply
+        # A failed shared round trip hands the same exception to every caller: each raises its
+        # own StoreUnavailable *from* it instead of re-raising the one object in many threads.
+        if _cannot_answer(exc):
             self._unavailable(operation, key, exc)
-        except redis.exceptions.ResponseError as exc:
-            if str(exc).startswith(("BUSY", "LOADING", "MASTERDOWN")):
-                self._unavailable(operation, key, exc)
-            raise
+        raise exc
 
     def _record(self, key: str, reply: Sequence[Any]) -> Record:
         """A Record from the scripts' ``{now, st, ow, fp, rs, ca, lu, ex}`` reply."""
