@@ -34,10 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gen_events import TRUTH_FIELDS  # bench/ is sys.path[0] when run as a script
+from docs_section import DOC, write_section  # bench/ is sys.path[0] when run as a script
+from gen_events import TRUTH_FIELDS
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = REPO / "docs" / "performance.md"
 SECTION = "## Spark audit"
 GENERATOR = [
     "--dup-rate",
@@ -264,29 +264,6 @@ def _pyspark() -> str:
         return "?"
 
 
-def write_docs(section: str) -> None:
-    """Replace the ``## Spark audit`` section of docs/performance.md (up to the next ``## ``
-    heading), appending it when absent and creating the file when missing."""
-    if not DOCS.exists():
-        DOCS.parent.mkdir(parents=True, exist_ok=True)
-        DOCS.write_text("# Performance\n\n" + section, encoding="utf-8")
-        return
-    lines = DOCS.read_text(encoding="utf-8").splitlines()
-    try:
-        start = lines.index(SECTION)
-    except ValueError:
-        text = "\n".join(lines).rstrip("\n") + "\n\n" + section
-    else:
-        end = next(
-            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
-        )
-        rest = lines[end:]
-        text = "\n".join(lines[:start]) + "\n" + section
-        if rest:
-            text = text.rstrip("\n") + "\n\n" + "\n".join(rest)
-    DOCS.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1000000,10000000", help="event counts")
@@ -340,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(section)
     if args.write_docs:
-        write_docs(section)
-        print(f"rewrote '{SECTION}' in {DOCS}")
+        write_section(section)
+        print(f"rewrote '{SECTION}' in {DOC}")
     return 0 if all(row["truth"] == "matches" for row in rows) else 1
 
 

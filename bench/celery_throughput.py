@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import shutil
 import signal
 import statistics
@@ -31,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery, signals
+from docs_section import DOC, write_section  # bench/ is sys.path[0] when run as a script
 
 import taskonce
 from taskonce.celery_ext import IdempotentTask, setup
 
 ROOT = Path(__file__).resolve().parents[1]
-PERFORMANCE_MD = ROOT / "docs" / "performance.md"
 HEADING = "## Celery throughput"
 BROKER = os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/4")
 STORE = os.environ.get("BENCH_STORE", "redis://127.0.0.1:6379/15")
@@ -135,19 +134,6 @@ def _round(publisher: Celery, client: Any, prefix: str, kind: str, messages: int
     elapsed = time.perf_counter() - started
     publisher.control.cancel_consumer(queue, reply=False)
     return messages / elapsed
-
-
-def _write_section(text: str) -> None:
-    """Replace (or add) this benchmark's section of docs/performance.md, leaving the rest."""
-    current = PERFORMANCE_MD.read_text() if PERFORMANCE_MD.exists() else "# Performance\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-    section = f"{HEADING}\n\n{text.strip()}\n\n"
-    if pattern.search(current):
-        updated = pattern.sub(lambda _: section, current, count=1)
-    else:
-        updated = current.rstrip("\n") + "\n\n" + section
-    PERFORMANCE_MD.parent.mkdir(parents=True, exist_ok=True)
-    PERFORMANCE_MD.write_text(updated.rstrip("\n") + "\n")
 
 
 def _store_label(url: str) -> str:
@@ -281,8 +267,8 @@ machine that also runs the broker, the worker's main process and the benchmark).
     print("\n" + "; ".join(verdicts))
     print(f"command: {command}")
     if not args.no_write:
-        _write_section(text)
-        print(f"written to {PERFORMANCE_MD.relative_to(ROOT)} ({HEADING!r})")
+        write_section(f"{HEADING}\n\n{text.strip()}\n")
+        print(f"written to {DOC.relative_to(ROOT)} ({HEADING!r})")
     return 0
 
 

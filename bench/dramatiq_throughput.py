@@ -35,13 +35,13 @@ from typing import Any
 
 import dramatiq
 import redis
+from docs_section import DOC, write_section  # bench/ is sys.path[0] when run as a script
 from dramatiq.brokers.redis import RedisBroker
 
 import taskonce
 from taskonce.dramatiq_ext import IdempotencyMiddleware
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "performance.md"
 HEADING = "## Dramatiq throughput"
 MEMORY = ", memory store"
 
@@ -176,23 +176,6 @@ def render(
         "",
     ]
     return "\n".join(lines)
-
-
-def write_section(section: str) -> None:
-    """Replace (or append) this benchmark's section of docs/performance.md."""
-    text = DOC.read_text() if DOC.exists() else "# Performance\n"
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.strip() == HEADING), None)
-    if start is None:
-        new = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = next(
-            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
-        )
-        tail = "\n".join(lines[end:])
-        new = "\n".join(lines[:start]) + "\n" + section + ("\n" + tail if tail else "")
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(new.rstrip("\n") + "\n")
 
 
 def main() -> int:

@@ -58,14 +58,11 @@ from typing import Any
 
 from taskonce.stores import ClaimOutcome, MemoryStore, Store, open_store
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `taskonce bench` runs it by runpy
+from docs_section import DOC, write_section
+
 REPO = Path(__file__).resolve().parent.parent
-DOCS = REPO / "docs" / "performance.md"
 SECTION = "## Store operations"
-DOCS_INTRO = (
-    "# Performance\n\n"
-    "How these figures are made: each benchmark prints a table and the command; ratios are "
-    "measured in one run against a baseline on the same machine.\n"
-)
 
 STORES = ("memory", "redis", "postgresql", "mariadb", "sqlite")
 SQL_STORES = ("postgresql", "mariadb", "sqlite")
@@ -868,32 +865,6 @@ def section(
     return "\n".join(lines)
 
 
-def write_docs(text: str) -> None:
-    """Replace the ``## Store operations`` section of docs/performance.md (up to the next
-    ``## `` heading), appending it when absent and creating the file when missing. The file
-    is read just before it is written: other benchmarks own the other sections."""
-    DOCS.parent.mkdir(parents=True, exist_ok=True)
-    body = DOCS.read_text(encoding="utf-8") if DOCS.exists() else DOCS_INTRO
-    lines = body.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == SECTION), None)
-    block = text if text.endswith("\n") else text + "\n"
-    if start is None:
-        head = body if body.endswith("\n") else body + "\n"
-        new = head + "\n" + block
-    else:
-        end = next(
-            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
-        )
-        tail = "".join(lines[end:])
-        new = "".join(lines[:start]) + block + ("\n" + tail if tail else "")
-    tmp = DOCS.with_name(f".{DOCS.name}.{os.getpid()}.tmp")
-    tmp.write_text(new, encoding="utf-8")
-    os.replace(tmp, DOCS)
-
-
-# -- main ----------------------------------------------------------------------------------------
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Per-operation latency of the taskonce stores against the raw minimum "
@@ -1022,8 +993,8 @@ def main(argv: list[str] | None = None) -> int:
             print("docs/performance.md left unchanged (not every store was measured)")
         return 1
     if args.write_docs:
-        write_docs(section(results, command, when, load, iterations))
-        print(f"\nwrote the '{SECTION}' section of {DOCS.relative_to(REPO)}")
+        write_section(section(results, command, when, load, iterations))
+        print(f"\nwrote the '{SECTION}' section of {DOC.relative_to(REPO)}")
     return 0
 
 

@@ -269,7 +269,7 @@ class _SharedTrips:
     client's per-command work are shared. Dramatiq's 8 worker threads, Celery's threads pool
     and the heartbeat thread call the store at the same moments; on a machine where a round
     trip is mostly system-call time this more than halves the store's CPU per operation
-    (``bench/store_ops.py --threads``, docs/performance.md). A single-threaded process (Celery
+    (``bench/store_threads.py``, docs/performance.md). A single-threaded process (Celery
     prefork) always takes the first path.
     """
 
