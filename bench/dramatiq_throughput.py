@@ -64,8 +64,9 @@ class AckCounter(dramatiq.Middleware):
 
 def one_round(
     variant: str, broker_url: str, store_url: str, messages: int, threads: int
-) -> tuple[float, int]:
-    """Messages per second of one variant; and the number of records the guard wrote."""
+) -> tuple[float, int, float]:
+    """Messages per second of one variant, the number of records the guard wrote, and the
+    process's CPU time (user + system) per message while the worker ran, in µs."""
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     broker = RedisBroker(url=broker_url, namespace=namespace)
     counter = AckCounter(messages)
@@ -91,11 +92,12 @@ def one_round(
         for i in range(start, min(messages, start + 500)):
             noop.send(i)
     worker = dramatiq.Worker(broker, worker_threads=threads, worker_timeout=100)
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), os.times()
     worker.start()
     if not counter.done.wait(timeout=600):
         raise RuntimeError(f"{variant}: only {counter.count}/{messages} acknowledged")
-    elapsed = time.perf_counter() - began
+    elapsed, cpu_ended = time.perf_counter() - began, os.times()
+    cpu = (cpu_ended.user - cpu_began.user) + (cpu_ended.system - cpu_began.system)
     worker.stop()
     written = 0
     if guard is not None and variant.endswith(MEMORY):
@@ -113,11 +115,12 @@ def one_round(
         pipe_client.delete(key)
     pipe_client.close()
     broker.close()
-    return messages / elapsed, written
+    return messages / elapsed, written, cpu / messages * 1e6
 
 
 def render(
     results: dict[tuple[int, str], list[float]],
+    cpus: dict[tuple[int, str], list[float]],
     args: argparse.Namespace,
     command: str,
     load: tuple[str, str],
@@ -135,8 +138,8 @@ def render(
         f"{os.cpu_count()} CPUs ({platform.machine()}); load average {load[0]} at the start, "
         f"{load[1]} at the end.",
         "",
-        "| worker threads | variant | msg/s (median) | all rounds | vs plain |",
-        "| ---: | --- | ---: | --- | ---: |",
+        "| worker threads | variant | msg/s (median) | all rounds | vs plain | CPU µs/msg |",
+        "| ---: | --- | ---: | --- | ---: | ---: |",
     ]
     verdicts = []
     for threads in thread_counts:
@@ -146,8 +149,10 @@ def render(
                 continue
             median = statistics.median(values)
             rounds = ", ".join(f"{v:,.0f}" for v in values)
+            cpu = statistics.median(cpus[(t, variant)])
             lines.append(
-                f"| {threads} | {variant} | {median:,.0f} | {rounds} | {median / plain:.2f}× |"
+                f"| {threads} | {variant} | {median:,.0f} | {rounds} | {median / plain:.2f}× "
+                f"| {cpu:,.0f} |"
             )
             if variant == "guarded eager":
                 ratio = median / plain
@@ -158,15 +163,19 @@ def render(
         "",
         "Against the aim (guarded eager within 15 % of plain, ≥ 0.85×): "
         + "; ".join(verdicts)
-        + ". The guard adds two store round trips per message (eager: claim + complete; lazy: "
-        "get + mark) and its own Python work (key, payload fingerprint, two events, the lease "
-        "heartbeat's bookkeeping; the *memory store* row is that work alone, with no round "
-        "trip). With few worker threads Dramatiq's Redis consumer is bound by its prefetch "
-        "and polling, not by CPU, and the guard's cost hides in the waits; with many threads "
-        "the worker process is CPU-bound (one GIL; on this machine a local Redis round trip "
-        "is itself ~110 µs of client CPU, see Store operations), so every microsecond the "
-        "guard spends shows up in a no-op actor's rate. An actor that does real work pays the "
-        "same absolute cost per message.",
+        + ". *CPU µs/msg* is the worker process's user + system time per message while it "
+        "ran. The guard runs two store scripts per message (eager: claim + complete; lazy: "
+        "get + mark); the Redis store sends those of concurrent worker threads as shared "
+        "round trips (see Redis store under threads), so with 8 threads it makes fewer than "
+        "two round trips per message. It also does its own Python work (key, payload "
+        "fingerprint, lease-heartbeat bookkeeping, the middleware's hooks): the *memory "
+        "store* row is that work alone, with no round trip at all — the most any store "
+        "could reach. With few worker threads Dramatiq's Redis consumer is bound by its "
+        "prefetch and polling, not by CPU, and the guard's cost hides in the waits; with 8 "
+        "threads the process is CPU-bound, and a plain no-op message costs only one ack "
+        "round trip plus Dramatiq's own work, so the guard's added CPU per message is a large "
+        "fraction of it. An actor that does real work pays the same absolute cost per "
+        "message.",
         "",
         "Command:",
         "",
@@ -197,20 +206,25 @@ def main() -> int:
     results: dict[tuple[int, str], list[float]] = {
         (t, v): [] for t in thread_counts for v in variants
     }
+    cpus: dict[tuple[int, str], list[float]] = {key: [] for key in results}
     load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
     for round_no in range(args.rounds):
         for threads in thread_counts:
             for variant in variants if round_no % 2 == 0 else reversed(variants):
-                rate, written = one_round(variant, args.broker, args.store, args.messages, threads)
+                rate, written, cpu = one_round(
+                    variant, args.broker, args.store, args.messages, threads
+                )
                 if variant != "plain" and written != args.messages:
                     raise RuntimeError(f"{variant}: {written} records for {args.messages} messages")
                 results[(threads, variant)].append(rate)
+                cpus[(threads, variant)].append(cpu)
                 print(
-                    f"round {round_no + 1}, {threads} threads: {variant:<30} {rate:8,.0f} msg/s",
+                    f"round {round_no + 1}, {threads} threads: {variant:<30} {rate:8,.0f} msg/s "
+                    f"{cpu:6,.0f} µs CPU/msg",
                     flush=True,
                 )
     load_end = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    section = render(results, args, command, (load_start, load_end))
+    section = render(results, cpus, args, command, (load_start, load_end))
     print()
     print(section)
     if not args.no_write:
