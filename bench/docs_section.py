@@ -13,6 +13,11 @@ INTRO = (
 )
 
 
+def command_lines(command: str) -> list[str]:
+    """The closing lines of a section: the command that made its figures, as a code block."""
+    return ["Command:", "", "```", command, "```", ""]
+
+
 def write_section(section: str, doc: Path = DOC) -> None:
     """Replace the section of ``doc`` that ``section``'s first line (its ``## `` heading)
     names, up to the next ``## `` heading; append it when absent, create the file when

@@ -35,7 +35,7 @@ from typing import Any
 
 import dramatiq
 import redis
-from docs_section import DOC, write_section  # bench/ is sys.path[0] when run as a script
+from docs_section import DOC, command_lines, write_section  # bench/ is on sys.path
 from dramatiq.brokers.redis import RedisBroker
 
 import taskonce
@@ -177,12 +177,7 @@ def render(
         "fraction of it. An actor that does real work pays the same absolute cost per "
         "message.",
         "",
-        "Command:",
-        "",
-        "```",
-        command,
-        "```",
-        "",
+        *command_lines(command),
     ]
     return "\n".join(lines)
 

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
-from docs_section import DOC, write_section  # bench/ is sys.path[0] when run as a script
+from docs_section import DOC, command_lines, write_section  # bench/ is on sys.path
 
 import taskonce
 from taskonce.stores.redis import RedisStore
@@ -164,12 +164,7 @@ def main() -> int:
         "together as one pipeline, so with 8 threads the store sends fewer round trips than "
         "it runs scripts and spends less CPU per pair than two raw calls.",
         "",
-        "Command:",
-        "",
-        "```",
-        command,
-        "```",
-        "",
+        *command_lines(command),
     ]
     text = "\n".join(lines)
     print()
