@@ -9,8 +9,10 @@ reach the right caller. All against a real Redis server.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -75,7 +77,9 @@ class Sends:
         self._send(batch)
 
 
-def in_threads(calls: list[Callable[[], Any]], first: Callable[[], Any]) -> list[Any]:
+def in_threads(
+    store: RedisStore, calls: list[Callable[[], Any]], first: Callable[[], Any]
+) -> list[Any]:
     """Run ``first`` in a thread, then each of ``calls`` in its own thread once the first is
     sending; returns every call's result or exception, ``first``'s last."""
     results: list[Any] = [None] * (len(calls) + 1)
@@ -86,9 +90,12 @@ def in_threads(calls: list[Callable[[], Any]], first: Callable[[], Any]) -> list
         except BaseException as exc:  # the test inspects it
             results[i] = exc
 
-    lead = threading.Thread(target=runner, args=(len(calls), first))
+    lead = threading.Thread(target=runner, args=(len(calls), first), daemon=True)
     lead.start()
-    threads = [threading.Thread(target=runner, args=(i, fn)) for i, fn in enumerate(calls)]
+    wait_for(lambda: store._trips._busy, what="the first call sending")
+    threads = [
+        threading.Thread(target=runner, args=(i, fn), daemon=True) for i, fn in enumerate(calls)
+    ]
     return _join(lead, threads, results)
 
 
@@ -117,7 +124,7 @@ def test_racing_threads_share_round_trips_and_every_key_is_claimed_once(
             with lock:
                 outcomes[key].append(outcome)
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+    threads = [threading.Thread(target=worker, args=(seed,), daemon=True) for seed in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -137,6 +144,7 @@ def test_a_shared_round_trip_hands_each_caller_its_own_reply_or_error(store: Red
     store._client.set(store._key("not-a-hash"), "x")  # a foreign key under the prefix
     sends = Sends(store, followers=4)
     results = in_threads(
+        store,
         [
             lambda: store.claim("fresh", "me", 300, 600, None).outcome,
             lambda: store.complete("held", "someone-else", 600, None),  # fenced: refused
@@ -165,6 +173,7 @@ def test_redis_gone_during_a_shared_round_trip_is_store_unavailable_for_each_cal
         store.claim("warm", "me", 300, 600, None)  # the pool holds an open connection
         Sends(store, followers=3, meanwhile=server.stop)
         results = in_threads(
+            store,
             [lambda k=k: store.claim(k, "me", 300, 600, None) for k in ("a", "b", "c")],
             first=lambda: store.claim("first", "me", 300, 600, None),
         )
@@ -187,6 +196,7 @@ def test_a_flushed_script_cache_inside_a_shared_round_trip_is_reloaded(store: Re
     # The first caller (a claim) reloads its own script; the queued gets then find theirs gone.
     Sends(store, followers=3, meanwhile=lambda: store._client.script_flush())
     results = in_threads(
+        store,
         [lambda: store.get("done"), lambda: store.get("absent"), lambda: store.get("done")],
         first=lambda: store.claim("first", "me", 300, 600, None).outcome,
     )
@@ -201,7 +211,7 @@ def test_a_flushed_script_cache_inside_a_shared_round_trip_is_reloaded(store: Re
 def test_a_forked_child_does_not_wait_for_its_parents_round_trip(store: RedisStore) -> None:
     let_go = threading.Event()
     sends = Sends(store, hold=let_go)
-    lead = threading.Thread(target=lambda: store.claim("parent", "me", 300, 600, None))
+    lead = threading.Thread(target=lambda: store.claim("parent", "me", 300, 600, None), daemon=True)
     lead.start()
     assert sends.held.wait(10)  # the parent's round trip is in flight: the queue is busy
     pid = os.fork()
@@ -230,3 +240,113 @@ def test_a_forked_child_does_not_wait_for_its_parents_round_trip(store: RedisSto
     record = store.get("child")
     assert record is not None and record.owner == "kid"
     assert store.get("parent") is not None
+
+
+class Interrupted(BaseException):
+    """What Dramatiq's TimeLimit and Shutdown throw into a worker thread (BaseException)."""
+
+
+def throw_into(thread: threading.Thread, exc_type: type[BaseException]) -> None:
+    """Raise ``exc_type`` in ``thread`` as Dramatiq's TimeLimit does (it fires once the thread
+    runs Python code again)."""
+    assert thread.ident is not None
+    done = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread.ident), ctypes.py_object(exc_type)
+    )
+    assert done == 1
+
+
+def claim_in_thread(store: RedisStore, key: str, results: dict[str, Any]) -> threading.Thread:
+    def run() -> None:
+        try:
+            results[key] = store.claim(key, "me", 300, 600, None).outcome
+        except BaseException as exc:  # the test inspects it
+            results[key] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_next_sender_interrupted_answers_its_batch_and_nothing_waits_forever(
+    store: RedisStore,
+) -> None:
+    let_go = threading.Event()
+    Sends(store, followers=2, hold=let_go)
+    results: dict[str, Any] = {}
+    first = claim_in_thread(store, "first", results)
+    wait_for(lambda: store._trips._busy, what="the first call sending")
+    next_sender = claim_in_thread(store, "next", results)
+    wait_for(lambda: len(store._trips._queued) == 1, what="one call queued")
+    other = claim_in_thread(store, "other", results)
+    wait_for(lambda: len(store._trips._queued) == 2, what="two calls queued")
+    throw_into(next_sender, Interrupted)  # fires when it wakes up to send the queue
+    let_go.set()
+    for thread in (first, next_sender, other):
+        thread.join(20)
+        assert not thread.is_alive(), "a caller waits for a thread that was interrupted"
+    assert results["first"] is ClaimOutcome.CLAIMED
+    assert isinstance(results["next"], Interrupted)
+    assert isinstance(results["other"], StoreUnavailable)
+    assert "interrupted" in str(results["other"])
+    # The line is free again: a new call is sent at once, and "other" (never sent) is free.
+    assert not store._trips._busy and not store._trips._queued
+    assert store.claim("other", "me", 300, 600, None).outcome is ClaimOutcome.CLAIMED
+
+
+def test_a_sender_interrupted_mid_send_keeps_its_interruption_to_itself(
+    store: RedisStore,
+) -> None:
+    sends = Sends(store)
+    send = sends._send
+
+    def interrupted_send(batch: list[Any]) -> None:
+        if len(batch) > 1:
+            raise Interrupted  # a time limit hits the thread that sends the shared trip
+        send(batch)
+
+    sends._send = interrupted_send  # the held first call, then the shared trip is interrupted
+    let_go = threading.Event()
+    sends._hold = let_go
+    results: dict[str, Any] = {}
+    threads = [claim_in_thread(store, "first", results)]
+    wait_for(lambda: store._trips._busy, what="the first call sending")
+    for key in ("a", "b", "c"):
+        threads.append(claim_in_thread(store, key, results))
+        wait_for(lambda k=key: k in [c.name.rsplit(":", 1)[1] for c in store._trips._queued])
+    let_go.set()
+    for thread in threads:
+        thread.join(20)
+        assert not thread.is_alive()
+    assert results["first"] is ClaimOutcome.CLAIMED
+    assert isinstance(results["a"], Interrupted)  # the sender of the shared trip
+    for key in ("b", "c"):
+        assert isinstance(results[key], StoreUnavailable), results[key]
+    assert not store._trips._busy
+    assert store.claim("b", "me", 300, 600, None).outcome is ClaimOutcome.CLAIMED
+
+
+def test_a_queued_caller_interrupted_by_a_signal_leaves_the_queue(store: RedisStore) -> None:
+    let_go = threading.Event()
+    Sends(store, hold=let_go)
+    results: dict[str, Any] = {}
+    first = claim_in_thread(store, "first", results)
+    wait_for(lambda: store._trips._busy, what="the first call sending")
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(Interrupted):
+            store.claim("main", "me", 300, 600, None)  # queued in the main thread, then a signal
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert store._trips._queued == []
+    let_go.set()
+    first.join(20)
+    assert results["first"] is ClaimOutcome.CLAIMED
+    assert store.get("main") is None  # never sent
+    assert store.claim("main", "me", 300, 600, None).outcome is ClaimOutcome.CLAIMED

@@ -241,9 +241,22 @@ def _safe_url(url: str) -> str:
 
 
 class _Call:
-    """One caller's script, waiting for its turn in a shared round trip."""
+    """One caller's script and, once its round trip is back, its reply or error."""
 
-    __slots__ = ("args", "error", "leads", "name", "ready", "reply", "script")
+    __slots__ = (
+        "answered",
+        "args",
+        "batch",
+        "error",
+        "handed",
+        "leads",
+        "name",
+        "ready",
+        "released",
+        "reply",
+        "script",
+        "successor",
+    )
 
     def __init__(self, script: Script, name: str, args: Sequence[Any]) -> None:
         self.script = script
@@ -251,37 +264,49 @@ class _Call:
         self.args = args
         self.reply: Any = None
         self.error: BaseException | None = None
+        self.answered = False
         # A plain lock used as a one-shot signal: cheaper than threading.Event, which builds a
         # Condition per instance and takes two locks to wait.
         self.ready = threading.Lock()
         self.ready.acquire()
-        self.leads = False  # woken to send the queue, not because its reply is in
+        self.released = False
+        self.leads = False  # this caller's thread sends ``batch``
+        self.batch: list[_Call] = []
+        self.handed = False  # the sender's duty for ``batch`` is done
+        self.successor: _Call | None = None  # whom this sender gave the queue to
+
+    def answer(self, reply: Any = None, error: BaseException | None = None) -> None:
+        self.reply, self.error, self.answered = reply, error, True
 
 
 class _SharedTrips:
     """Lets the threads of one process share Redis round trips (group commit).
 
     A caller that finds no round trip in flight sends its script at once, as a plain EVALSHA.
-    Callers that arrive while one is in flight queue up; when it is back, the first of them
-    sends the whole queue as one pipeline (no MULTI) and hands every caller its own reply or
-    error. Each script still runs atomically on its own key, so results are those of some
-    order of the calls, as they would be without sharing; only the system calls and the
-    client's per-command work are shared. Dramatiq's 8 worker threads, Celery's threads pool
-    and the heartbeat thread call the store at the same moments; on a machine where a round
-    trip is mostly system-call time this more than halves the store's CPU per operation
-    (``bench/store_threads.py``, docs/performance.md). A single-threaded process (Celery
-    prefork) always takes the first path.
+    Callers that arrive while one is in flight queue up; when it is back, the sender hands the
+    whole queue to the first of them, which sends it as one pipeline (no MULTI) and hands every
+    caller its own reply or error. Each script still runs atomically on its own key, so results
+    are those of some order of the calls, as they would be without sharing; only the system
+    calls and the client's per-command work are shared. Dramatiq's 8 worker threads, Celery's
+    threads pool and the lease heartbeat call the store at the same moments; on a machine where
+    a round trip is mostly system-call time this more than halves the store's CPU per
+    operation (``bench/store_threads.py``, docs/performance.md).
+
+    Worker threads get exceptions thrown into them at any moment (Dramatiq's ``TimeLimit`` and
+    ``Shutdown``, a signal handler in the main thread): a caller interrupted while it waits
+    leaves the queue, and one interrupted while it holds the duty to send passes that duty on
+    and answers the calls it could not send with a connection error (an ambiguous outcome,
+    like a timeout: :class:`~taskonce.errors.StoreUnavailable` for their callers). Nothing
+    waits for a thread that stopped. Only the sender's own thread sees its interruption.
     """
 
     def __init__(self, client: redis.Redis) -> None:
         self._client = client
         self._reset()
-        # A lock or a queued caller of the parent's threads must not survive into a child,
-        # where those threads do not exist. The weak reference lets the store be collected.
-        ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: _reset_if_alive(ref))
+        _FORKED.add(self)
 
     def _reset(self) -> None:
+        # After a fork the parent's threads do not exist in the child: no queue, no sender.
         self._lock = threading.Lock()
         self._queued: list[_Call] = []
         self._busy = False
@@ -289,24 +314,21 @@ class _SharedTrips:
     def run(self, script: Script, name: str, args: Sequence[Any]) -> _Call:
         """Run ``script`` on key ``name``; the returned call holds its reply or its error."""
         call = _Call(script, name, args)
-        with self._lock:
-            waits = self._busy
-            if waits:
-                self._queued.append(call)
-            else:
-                self._busy = True
-        if waits:
-            call.ready.acquire()
-            if not call.leads:
-                return call
-            with self._lock:
-                batch, self._queued = self._queued, []  # this call is batch[0]
-        else:
-            batch = [call]
         try:
-            self._send(batch)
-        finally:
-            self._hand_over(batch, call)
+            with self._lock:
+                if self._busy:
+                    self._queued.append(call)
+                else:
+                    self._busy = call.leads = True
+                    call.batch = [call]
+            if not call.leads:
+                call.ready.acquire()  # released with the answer, or to make this call lead
+            if call.leads:
+                self._send(call.batch)
+                self._hand_over(call)
+        except BaseException:
+            self._abandon(call)
+            raise
         return call
 
     def _send(self, batch: list[_Call]) -> None:
@@ -318,46 +340,99 @@ class _SharedTrips:
             pipe.evalsha(call.script.sha, 1, call.name, *call.args)
         try:
             replies = pipe.execute(raise_on_error=False)
-        except BaseException as exc:  # the whole round trip failed: every caller learns why
+        except Exception as exc:  # the whole round trip failed
             for call in batch:
-                call.error = exc
+                call.answer(error=exc if call is batch[0] or _cannot_answer(exc) else _shared(exc))
             return
         for call, reply in zip(batch, replies, strict=True):
             if isinstance(reply, redis.exceptions.NoScriptError):
                 self._send_one(call)  # loads the script (after a restart or SCRIPT FLUSH)
             elif isinstance(reply, BaseException):
-                call.error = reply
+                call.answer(error=reply)
             else:
-                call.reply = reply
+                call.answer(reply)
 
     def _send_one(self, call: _Call) -> None:
         try:
             try:
-                call.reply = self._client.evalsha(call.script.sha, 1, call.name, *call.args)
+                reply = self._client.evalsha(call.script.sha, 1, call.name, *call.args)
             except redis.exceptions.NoScriptError:
-                call.reply = call.script(keys=[call.name], args=list(call.args))
-        except BaseException as exc:
-            call.error = exc
+                reply = call.script(keys=[call.name], args=list(call.args))
+        except Exception as exc:
+            call.answer(error=exc)
+        else:
+            call.answer(reply)
 
-    def _hand_over(self, batch: list[_Call], sender: _Call) -> None:
-        """Wake the callers whose replies are in, and the next sender if any queued meanwhile."""
+    def _hand_over(self, sender: _Call) -> None:
+        """The sender's last step: wake every caller of its batch (one not answered gets a
+        connection error) and give the queue to the next sender, or mark the line idle. All
+        under the lock, so an interruption cannot leave half of it done."""
         with self._lock:
-            successor = self._queued[0] if self._queued else None
-            if successor is None:
-                self._busy = False
-            else:
+            if sender.handed:
+                return
+            for call in sender.batch:
+                if not call.answered:
+                    call.answer(error=_interrupted())
+                if call is not sender:
+                    _release(call)
+            successor = sender.successor
+            if successor is None and self._queued:
+                # Plain stores, no call between them: an exception thrown into this thread
+                # cannot land in the middle (CPython checks for one only at calls and loops).
+                successor = self._queued[0]
+                successor.batch = self._queued
                 successor.leads = True
-        for call in batch:
-            if call is not sender:
-                call.ready.release()
-        if successor is not None:
-            successor.ready.release()
+                self._queued = []
+                sender.successor = successor
+            if successor is not None:
+                _release(successor)
+            else:
+                self._busy = False
+            sender.handed = True
+
+    def _abandon(self, call: _Call) -> None:
+        """``call``'s thread was interrupted: leave the queue, or finish the sender's duty."""
+        with self._lock:
+            if call in self._queued:
+                self._queued.remove(call)
+                return
+            leads = call.leads
+        if leads:
+            self._hand_over(call)
 
 
-def _reset_if_alive(ref: weakref.ref[_SharedTrips]) -> None:
-    trips = ref()
-    if trips is not None:
+def _release(call: _Call) -> None:
+    if not call.released:
+        call.released = True
+        call.ready.release()
+
+
+def _interrupted() -> redis.exceptions.ConnectionError:
+    return redis.exceptions.ConnectionError(
+        "the thread sending this shared round trip was interrupted; the script may or may not "
+        "have run"
+    )
+
+
+def _shared(exc: Exception) -> Exception:
+    """A caller's own error for a shared round trip that failed with ``exc`` (one exception
+    object must not be raised in several threads)."""
+    error = RuntimeError(f"the shared round trip failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+# Every live _SharedTrips, emptied in a forked child before any of its threads runs: a queued
+# call or a busy flag of the parent's threads must not survive there.
+_FORKED: weakref.WeakSet[_SharedTrips] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    for trips in list(_FORKED):
         trips._reset()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 class RedisStore(Store):
@@ -372,7 +447,9 @@ class RedisStore(Store):
     :param client: an existing :class:`redis.Redis` to use instead of opening one from ``url``
         (its own timeouts and retry policy apply; :meth:`close` leaves it open).
     :param socket_timeout: seconds to wait for a connection or a reply before the operation
-        fails with :class:`~taskonce.errors.StoreUnavailable`. Default 5.
+        fails with :class:`~taskonce.errors.StoreUnavailable`. Default 5. A call queued behind
+        another thread's round trip waits for that one first, so it can take up to about
+        twice as long to fail.
 
     The client this store opens retries a command once, at once, after a connection error (a
     pooled connection that a Redis restart closed) but never after a timeout: a command that
