@@ -38,6 +38,13 @@ def make_key(message_id: object, queue: object, identity: str) -> str:
         raise InvalidInput(
             f"message id {message_id!r} or queue {queue!r} contains control characters"
         )
+    try:
+        (message_id + queue).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput(
+            f"message id {message_id!r} or queue {queue!r} is not valid Unicode text (a lone "
+            "surrogate); a store key must encode as UTF-8"
+        ) from None
     key = message_id if identity == "id" else f"{_escape_queue(queue)}:{message_id}"
     if len(key) > MAX_KEY_LENGTH:
         raise InvalidInput(

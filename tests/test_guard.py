@@ -268,6 +268,17 @@ def test_non_string_queue_is_refused(clock: Clock, sink: Sink, queue: Any) -> No
     assert guard.store.stats()["keys"] == 0
 
 
+@pytest.mark.parametrize(("message_id", "queue"), [("m-\ud800", "q"), ("m1", "q\udfff")])
+def test_id_or_queue_that_is_not_unicode_text_is_refused(
+    clock: Clock, sink: Sink, message_id: str, queue: str
+) -> None:
+    guard = make_guard(clock, sink)
+    handler = Counter()
+    with pytest.raises(InvalidInput, match="not valid Unicode text .* encode as UTF-8"):
+        guard.run(message_id, queue, handler)
+    assert handler.calls == [] and guard.store.stats()["keys"] == 0
+
+
 def test_over_long_key_is_refused(clock: Clock, sink: Sink) -> None:
     guard = make_guard(clock, sink)
     with pytest.raises(InvalidInput, match="characters; the limit is 255"):

@@ -350,3 +350,19 @@ def test_a_queued_caller_interrupted_by_a_signal_leaves_the_queue(store: RedisSt
     assert results["first"] is ClaimOutcome.CLAIMED
     assert store.get("main") is None  # never sent
     assert store.claim("main", "me", 300, 600, None).outcome is ClaimOutcome.CLAIMED
+
+
+def test_an_argument_redis_cannot_encode_fails_only_its_own_call(store: RedisStore) -> None:
+    Sends(store, followers=3)
+    results = in_threads(
+        store,
+        [
+            lambda: store.claim("fine-1", "me", 300, 600, None).outcome,
+            lambda: store.claim("bad-\ud800", "me", 300, 600, None),  # not encodable as UTF-8
+            lambda: store.claim("fine-2", "me", 300, 600, None).outcome,
+        ],
+        first=lambda: store.claim("first", "me", 300, 600, None).outcome,
+    )
+    fine1, bad, fine2, first = results
+    assert fine1 is fine2 is first is ClaimOutcome.CLAIMED
+    assert isinstance(bad, UnicodeError)

@@ -327,7 +327,12 @@ class _SharedTrips:
                 self._send(call.batch)
                 self._hand_over(call)
         except BaseException:
-            self._abandon(call)
+            while True:  # a second exception thrown in here must not leave the duty undone
+                try:
+                    self._abandon(call)
+                    break
+                except BaseException:  # noqa: S112 - the first one is raised below
+                    continue
             raise
         return call
 
@@ -340,6 +345,12 @@ class _SharedTrips:
             pipe.evalsha(call.script.sha, 1, call.name, *call.args)
         try:
             replies = pipe.execute(raise_on_error=False)
+        except (redis.exceptions.DataError, UnicodeError):
+            # An argument redis-py cannot encode fails the pipeline before anything is sent:
+            # send each call alone, so only the bad one fails.
+            for call in batch:
+                self._send_one(call)
+            return
         except Exception as exc:  # the whole round trip failed
             for call in batch:
                 call.answer(error=exc if call is batch[0] or _cannot_answer(exc) else _shared(exc))
