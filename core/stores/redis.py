@@ -324,6 +324,12 @@ class _SharedTrips:
             if not call.leads:
                 call.ready.acquire()  # released with the answer, or to make this call lead
             if call.leads:
+                if self._queued:  # read without the lock: one that misses it rides the next trip
+                    with self._lock:
+                        # Those that queued while this thread woke up go along too: otherwise
+                        # two threads would take strict turns, one call per round trip.
+                        call.batch += self._queued
+                        self._queued = []
                 self._send(call.batch)
                 self._hand_over(call)
         except BaseException:
