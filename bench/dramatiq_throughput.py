@@ -7,8 +7,9 @@ round so machine noise hits all of them alike:
 
 - ``plain``: the broker's default middleware only;
 - ``guarded eager``: plus ``IdempotencyMiddleware`` on a Redis store (claim + complete: two
-  round trips per message);
-- ``guarded lazy``: the same with ``mode="lazy"`` (get + mark: two round trips);
+  scripts per message, which the store sends as shared round trips when worker threads call
+  it at the same moment);
+- ``guarded lazy``: the same with ``mode="lazy"`` (get + mark);
 - ``guarded eager, memory store``: the guard on an in-process ``MemoryStore`` — no round
   trip at all, so it isolates the Python cost of the guard and the middleware.
 

@@ -130,10 +130,9 @@ def main() -> int:
             flush=True,
         )
     load1 = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    for pattern in (f"{prefix}:*",):
-        names = list(client.scan_iter(match=pattern, count=1000))
-        for i in range(0, len(names), 1000):
-            client.delete(*names[i : i + 1000])
+    names = list(client.scan_iter(match=f"{prefix}:*", count=1000))  # store and raw keys
+    for i in range(0, len(names), 1000):
+        client.delete(*names[i : i + 1000])
     store.close()
 
     lines = [

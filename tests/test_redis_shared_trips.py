@@ -77,35 +77,33 @@ class Sends:
         self._send(batch)
 
 
+def start(fn: Callable[[], Any], results: dict[Any, Any], slot: Any) -> threading.Thread:
+    """Run ``fn`` in a daemon thread; ``results[slot]`` gets its value or its exception."""
+
+    def run() -> None:
+        try:
+            results[slot] = fn()
+        except BaseException as exc:  # the test inspects it
+            results[slot] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def in_threads(
     store: RedisStore, calls: list[Callable[[], Any]], first: Callable[[], Any]
 ) -> list[Any]:
     """Run ``first`` in a thread, then each of ``calls`` in its own thread once the first is
     sending; returns every call's result or exception, ``first``'s last."""
-    results: list[Any] = [None] * (len(calls) + 1)
-
-    def runner(i: int, fn: Callable[[], Any]) -> None:
-        try:
-            results[i] = fn()
-        except BaseException as exc:  # the test inspects it
-            results[i] = exc
-
-    lead = threading.Thread(target=runner, args=(len(calls), first), daemon=True)
-    lead.start()
+    results: dict[int, Any] = {}
+    threads = [start(first, results, len(calls))]
     wait_for(lambda: store._trips._busy, what="the first call sending")
-    threads = [
-        threading.Thread(target=runner, args=(i, fn), daemon=True) for i, fn in enumerate(calls)
-    ]
-    return _join(lead, threads, results)
-
-
-def _join(lead: threading.Thread, threads: list[threading.Thread], results: list[Any]) -> list[Any]:
+    threads += [start(fn, results, i) for i, fn in enumerate(calls)]
     for thread in threads:
-        thread.start()
-    for thread in [lead, *threads]:
         thread.join(30)
         assert not thread.is_alive(), "a caller never got its answer"
-    return results
+    return [results[i] for i in range(len(calls) + 1)]
 
 
 def test_racing_threads_share_round_trips_and_every_key_is_claimed_once(
@@ -257,15 +255,7 @@ def throw_into(thread: threading.Thread, exc_type: type[BaseException]) -> None:
 
 
 def claim_in_thread(store: RedisStore, key: str, results: dict[str, Any]) -> threading.Thread:
-    def run() -> None:
-        try:
-            results[key] = store.claim(key, "me", 300, 600, None).outcome
-        except BaseException as exc:  # the test inspects it
-            results[key] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+    return start(lambda: store.claim(key, "me", 300, 600, None).outcome, results, key)
 
 
 def test_the_next_sender_interrupted_answers_its_batch_and_nothing_waits_forever(
