@@ -1,5 +1,6 @@
 """What the Celery and Dramatiq demos share: event counting, the progress bar, the ledger,
-stopping a worker's process group. Framework-neutral; used only by ``taskonce demo``."""
+the result table, stopping a worker's process group. Framework-neutral; used only by
+``taskonce demo``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import TextIO
 
@@ -74,6 +76,37 @@ class Progress:
 
 def dollars(cents: int) -> str:
     return f"${cents / 100:,.2f}"
+
+
+def report(
+    out: TextIO,
+    lines: list[tuple[str, str, str]],
+    *,
+    ledger_rows: int,
+    orders: int,
+    expected: int,
+    balance: int,
+    ok: bool,
+    started: float,
+    workdir: Path,
+) -> int:
+    """Print the result table — the framework's own ``lines`` (label, value, note), then the
+    ledger's — and how long the demo took; the exit code: 0 when ``ok``, else 1."""
+    lines = [
+        *lines,
+        ("ledger rows", str(ledger_rows), f"of {orders} orders"),
+        ("balance expected", dollars(expected), ""),
+        ("balance seen", dollars(balance),
+         "✓ every order charged exactly once" if ok else "✗ MISMATCH"),
+    ]  # fmt: skip
+    for label, value, note in lines:
+        out.write(f"  {label:<19} {value:>11}   {note}".rstrip() + "\n")
+    out.write(f"\n  finished in {time.monotonic() - started:.1f}s")
+    if not ok:
+        out.write(f"; files kept in {workdir}")
+    out.write("\n")
+    out.flush()
+    return 0 if ok else 1
 
 
 def is_sql(url: str) -> bool:
@@ -167,11 +200,17 @@ def clean_store(store_url: str, namespace: str, ledger_table: str, temporary: bo
         finally:
             engine.dispose()
         return
+    delete_redis_keys(store_url, f"{namespace}:*")
+
+
+def delete_redis_keys(url: str, pattern: str) -> None:
+    """Delete the keys matching ``pattern`` (``SCAN MATCH``) from the Redis at ``url``, in
+    batches of 1000."""
     import redis
 
-    client = redis.Redis.from_url(store_url)
+    client = redis.Redis.from_url(url)
     try:
-        keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+        keys = list(client.scan_iter(match=pattern, count=1000))
         for start in range(0, len(keys), 1000):
             client.delete(*keys[start : start + 1000])
     finally:

@@ -319,19 +319,18 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
              "acknowledged without running"),
             ("deferred in flight", str(counts["in_progress_deferred"]),
              "arrived while the charge was running: enqueued again for after the lease"),
-            ("ledger rows", str(rows), f"of {count} orders"),
-            ("balance expected", _demo.dollars(expected), ""),
-            ("balance seen", _demo.dollars(balance),
-             "✓ every order charged exactly once" if ok else "✗ MISMATCH"),
         ]  # fmt: skip
-        for label, value, note in lines:
-            out.write(f"  {label:<19} {value:>11}   {note}".rstrip() + "\n")
-        out.write(f"\n  finished in {time.monotonic() - started:.1f}s")
-        if not ok:
-            out.write(f"; files kept in {workdir}")
-        out.write("\n")
-        out.flush()
-        return 0 if ok else 1
+        return _demo.report(
+            out,
+            lines,
+            ledger_rows=rows,
+            orders=count,
+            expected=expected,
+            balance=balance,
+            ok=ok,
+            started=started,
+            workdir=workdir,
+        )
     except KeyboardInterrupt:
         out.write("\ninterrupted\n")
         return 130
@@ -365,12 +364,4 @@ def _clean_broker(broker_url: str, queue: str) -> None:
         finally:
             connection.close()
         return
-    import redis
-
-    client = redis.Redis.from_url(broker_url)
-    try:
-        keys = list(client.scan_iter(match=f"{queue}:*", count=1000))
-        for start in range(0, len(keys), 1000):
-            client.delete(*keys[start : start + 1000])
-    finally:
-        client.close()
+    _demo.delete_redis_keys(broker_url, f"{queue}:*")

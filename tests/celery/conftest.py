@@ -24,6 +24,7 @@ import pytest
 from celery import Celery
 
 import taskonce
+from taskonce._demo import delete_redis_keys
 from tests.helpers import POSTGRES_URL, REDIS_URL, require_service, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,17 +200,9 @@ def drop_store(url: str, namespace: str) -> None:
 
 def clean_broker(app: Celery, url: str, prefix: str, queues: list[str]) -> None:
     """Remove this prefix's queues (RabbitMQ) or keys (Redis broker and result backend)."""
-    import redis
-
     if url.startswith("redis"):
         for target in (url, RESULT_BACKEND):
-            client = redis.Redis.from_url(target)
-            try:
-                keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-                if keys:
-                    client.delete(*keys)
-            finally:
-                client.close()
+            delete_redis_keys(target, f"{prefix}:*")
         return
     from kombu import Exchange, Queue
 
@@ -221,13 +214,7 @@ def clean_broker(app: Celery, url: str, prefix: str, queues: list[str]) -> None:
                 Exchange(name, channel=channel).delete()
             except Exception:  # already gone, or the channel closed on a missing entity
                 channel = conn.channel()
-    client = redis.Redis.from_url(RESULT_BACKEND)
-    try:
-        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
+    delete_redis_keys(RESULT_BACKEND, f"{prefix}:*")
 
 
 def start_stack(
