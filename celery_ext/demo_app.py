@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ from typing import Any
 from celery import Celery, signals
 
 import taskonce
+from taskonce import _demo
 from taskonce.celery_ext.config import setup
 from taskonce.celery_ext.demo import broker_options
 from taskonce.celery_ext.task import IdempotentTask
@@ -42,7 +41,6 @@ LEASE = float(ENV.get("TASKONCE_DEMO_LEASE", "4"))
 #: the pid file the victim charge writes before it stalls (the demo SIGKILLs that process)
 VICTIM_FILE = "victim.pid"
 SQL_STORE = not STORE.startswith(("redis", "rediss", "unix", "memory"))
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 logger = logging.getLogger("taskonce.demo")
 
@@ -70,27 +68,6 @@ if STORE != "memory://":  # the worker; importing the module elsewhere opens not
     )
 
 
-def _write_ledger(order_id: str, cents: int) -> None:
-    kind, _, target = LEDGER.partition(":")
-    if kind == "sql":
-        from sqlalchemy import text
-
-        if not _NAME.match(target):
-            raise ValueError(f"bad ledger table {target!r}")
-        taskonce.current_session().execute(
-            # the table name matched _NAME above
-            text(f"INSERT INTO {target} (order_id, cents) VALUES (:order_id, :cents)"),  # noqa: S608
-            {"order_id": order_id, "cents": cents},
-        )
-    elif kind == "sqlite":
-        with sqlite3.connect(target, timeout=30) as conn:
-            conn.execute("INSERT INTO ledger (order_id, cents) VALUES (?, ?)", (order_id, cents))
-    else:
-        raise ValueError(
-            f"TASKONCE_DEMO_LEDGER={LEDGER!r} is neither sql:<table> nor sqlite:<path>"
-        )
-
-
 def charge(order_id: str, cents: int, stall: bool = False) -> int:
     """Charge an order: a little work, then one ledger row. ``stall`` makes the first run
     write its pid and hang, so the demo can SIGKILL the process mid-charge."""
@@ -99,7 +76,7 @@ def charge(order_id: str, cents: int, stall: bool = False) -> int:
     if stall and not victim.exists():
         victim.write_text(str(os.getpid()))
         time.sleep(60)
-    _write_ledger(order_id, cents)
+    _demo.write_ledger(LEDGER, order_id, cents)
     return cents
 
 

@@ -8,7 +8,9 @@ import collections
 import contextlib
 import json
 import os
+import re
 import signal
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -107,6 +109,32 @@ def report(
     out.write("\n")
     out.flush()
     return 0 if ok else 1
+
+
+_TABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def write_ledger(ledger: str, order_id: str, cents: int) -> None:
+    """Append one charge to the demo's ledger: ``sql:<table>`` inside the handler's
+    transaction (:func:`taskonce.current_session`), or ``sqlite:<path>`` in a connection of its
+    own."""
+    kind, _, target = ledger.partition(":")
+    if kind == "sql":
+        from sqlalchemy import text
+
+        from taskonce.session import current_session
+
+        if not _TABLE_NAME.match(target):
+            raise ValueError(f"bad ledger table {target!r}")
+        statement = f"INSERT INTO {target} (order_id, cents) VALUES (:order_id, :cents)"  # noqa: S608 - name checked above
+        current_session().execute(text(statement), {"order_id": order_id, "cents": cents})
+    elif kind == "sqlite":
+        with sqlite3.connect(target, timeout=30) as conn:
+            conn.execute("INSERT INTO ledger (order_id, cents) VALUES (?, ?)", (order_id, cents))
+    else:
+        raise ValueError(
+            f"TASKONCE_DEMO_LEDGER={ledger!r} is neither sql:<table> nor sqlite:<path>"
+        )
 
 
 def is_sql(url: str) -> bool:

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from typing import Any
 import dramatiq
 
 import taskonce
+from taskonce import _demo
 from taskonce.dramatiq_ext.middleware import IdempotencyMiddleware
 
 ENV = os.environ
@@ -37,7 +36,6 @@ ENV = os.environ
 VICTIM_FILE = "victim.pid"
 #: a Redis broker counts a worker as dead after this long without a heartbeat (ms)
 HEARTBEAT_TIMEOUT = 5000
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 logger = logging.getLogger("taskonce.demo")
 
@@ -70,27 +68,6 @@ def make_broker(url: str, namespace: str) -> dramatiq.Broker:
     )
 
 
-def _write_ledger(ledger: str, order_id: str, cents: int) -> None:
-    kind, _, target = ledger.partition(":")
-    if kind == "sql":
-        from sqlalchemy import text
-
-        if not _NAME.match(target):
-            raise ValueError(f"bad ledger table {target!r}")
-        statement = f"INSERT INTO {target} (order_id, cents) VALUES (:order_id, :cents)"  # noqa: S608 - name checked above
-        taskonce.current_session().execute(
-            text(statement),
-            {"order_id": order_id, "cents": cents},
-        )
-    elif kind == "sqlite":
-        with sqlite3.connect(target, timeout=30) as conn:
-            conn.execute("INSERT INTO ledger (order_id, cents) VALUES (?, ?)", (order_id, cents))
-    else:
-        raise ValueError(
-            f"TASKONCE_DEMO_LEDGER={ledger!r} is neither sql:<table> nor sqlite:<path>"
-        )
-
-
 def build() -> tuple[dramatiq.Broker, dramatiq.Actor[Any, Any]]:
     """The worker's broker, with the guard, and the ``charge`` actor."""
     broker_url = ENV["TASKONCE_DEMO_BROKER"]
@@ -119,7 +96,7 @@ def build() -> tuple[dramatiq.Broker, dramatiq.Actor[Any, Any]]:
         if stall and not victim.exists():
             victim.write_text(str(os.getpid()))
             time.sleep(60)
-        _write_ledger(ledger, order_id, cents)
+        _demo.write_ledger(ledger, order_id, cents)
         return cents
 
     declare = dramatiq.actor(broker=broker, actor_name="charge", queue_name=queue, max_retries=3)
