@@ -24,14 +24,14 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check core celery_ext dramatiq_ext spark_ext
+	$(VENV)/bin/ruff format --check core celery_ext dramatiq_ext spark_ext demo
 
 # mypy cannot see setuptools' package-dir mapping of an editable install: check a link tree
 # that lays the folders out under their import names.
 typecheck: $(STAMP)
 	rm -rf build/typecheck && mkdir -p build/typecheck/taskonce
 	for f in core/*; do ln -s ../../../$$f build/typecheck/taskonce/; done
-	for d in celery_ext dramatiq_ext spark_ext; do ln -s ../../../$$d build/typecheck/taskonce/$$d; done
+	for d in celery_ext dramatiq_ext spark_ext demo; do ln -s ../../../$$d build/typecheck/taskonce/$$d; done
 	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p taskonce
 
 bench: $(STAMP)

@@ -254,8 +254,8 @@ Against the aim (guarded within 15 % of plain, ≥ 0.85×): {"; ".join(verdicts)
 A task that does real work pays the same absolute cost per message, so its ratio is closer
 to 1. Where the memory-store row is near 1.00× the guard's own Python work is not what costs:
 the gap is the two synchronous store round trips each pool process makes per message
-(redis-py client CPU, the Lua script on the server, and the context switches on a 2-CPU
-machine that also runs the broker, the worker's main process and the benchmark).
+(redis-py client CPU, the Lua script on the server, and the context switches when the broker,
+the worker's main process and the benchmark share the same few CPUs).
 {platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPUs,
 {platform.system()} {platform.release()}; {load}.
 

@@ -1,10 +1,10 @@
 """Write a synthetic taskonce event log: N events with a chosen duplicate rate and redelivery gap
 distribution, as a guard would have written them, plus the figures the audit must find.
 
-Each message goes through the guard's state machine (DESIGN.md): eager queues claim and complete
-(some fail once and are retried: claimed, released, claimed, completed; a few claims never end:
-stuck), lazy queues mark after the handler (a few race: concurrent_duplicate). A share of the
-messages is delivered again after a gap drawn from a log-normal distribution (median, sigma),
+Each message goes through the guard's state machine (docs/how-it-works.md): eager queues claim
+and complete (some fail once and are retried: claimed, released, claimed, completed; a few claims
+never end: stuck), lazy queues mark after the handler (a few race: concurrent_duplicate). A share
+of the messages is delivered again after a gap drawn from a log-normal distribution (median, sigma),
 plus a share that comes back at a fixed late gap (a broker's visibility timeout). A duplicate
 within the key's keep_for after completion is skipped (``duplicate_skipped``), one during the
 run is deferred (``in_progress_deferred``, then skipped when delivered again), one after the

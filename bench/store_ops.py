@@ -229,6 +229,7 @@ def open_sql(name: str, args: argparse.Namespace, tmpdir: Path) -> Target:
     try:
         store.create_tables()
         target_cleanups.append(lambda: store._table.drop(store._engine, checkfirst=True))
+        target_cleanups.append(lambda: store._live_table.drop(store._engine, checkfirst=True))
         # The scratch table: created by a second store so that it has exactly the DDL (column
         # types, collation, index) of a store table; written through the first store's engine.
         scratch_store = SQLStore(url, table=f"bench_raw_{suffix}")
@@ -238,6 +239,8 @@ def open_sql(name: str, args: argparse.Namespace, tmpdir: Path) -> Target:
             scratch_store.close()
         scratch = scratch_store._table
         target_cleanups.append(lambda: scratch.drop(store._engine, checkfirst=True))
+        scratch_live = scratch_store._live_table
+        target_cleanups.append(lambda: scratch_live.drop(store._engine, checkfirst=True))
     except BaseException:
         for fn in reversed(target_cleanups):
             fn()

@@ -15,12 +15,14 @@
 
 Importing this package connects a ``before_task_publish`` receiver that stamps each task
 message with its destination queue (:data:`QUEUE_HEADER`) and registers the beat-friendly
-``taskonce.celery_ext.purge`` task. See docs/celery.md.
+``taskonce.celery_ext.purge`` task. What a guarded task sends (``.delay``, signatures, its
+``link`` callbacks and next ``chain`` step) leaves only after its outcome is recorded: see
+docs/handoff.md. See docs/celery.md.
 """
 
 from __future__ import annotations
 
-from taskonce.celery_ext.config import guard_for, setup
+from taskonce.celery_ext.config import guard_for, relay_guard, setup
 from taskonce.celery_ext.routing import QUEUE_HEADER, delivery_queue
 from taskonce.celery_ext.task import IdempotentTask, lease_beyond
 from taskonce.celery_ext.tasks import purge
@@ -32,5 +34,6 @@ __all__ = [
     "guard_for",
     "lease_beyond",
     "purge",
+    "relay_guard",
     "setup",
 ]

@@ -12,6 +12,9 @@ its settings:
   ``task_always_eager``) under the queue-name rule's queue; ``"bypass"`` runs them unguarded.
 - ``taskonce_store_retry_delay``: seconds before a delivery that met an unreachable store
   (``fail_closed``) is delivered again; default 5.
+- ``taskonce_relay_every``: seconds between two sweeps of the worker's hand-off relay, which
+  publishes deferred sends left pending by a worker that died after recording an outcome (and
+  whose message never comes back, e.g. early acknowledgement); default 30, ``0`` turns it off.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from celery.signals import worker_init
+from celery.signals import worker_init, worker_ready
 
+from taskonce.celery_ext.handoff import install
 from taskonce.errors import ConfigError
 from taskonce.events import EventSink, JsonlEvents
 from taskonce.guard import Guard
@@ -37,6 +41,7 @@ logger = logging.getLogger("taskonce.celery")
 
 EAGER_CHOICES = ("guard", "bypass")
 DEFAULT_STORE_RETRY_DELAY = 5.0
+DEFAULT_RELAY_EVERY = 30.0
 
 
 @dataclasses.dataclass
@@ -46,6 +51,7 @@ class AppState:
     guard: Guard | None = None
     eager: str = "guard"
     store_retry_delay: float = DEFAULT_STORE_RETRY_DELAY
+    relay_every: float = DEFAULT_RELAY_EVERY
     #: effective policy per (task name, queue, time limit)
     policies: dict[tuple[str, str, float | None], Policy] = dataclasses.field(default_factory=dict)
     acks_late_warned: set[str] = dataclasses.field(default_factory=set)
@@ -68,7 +74,7 @@ def app_state(app: Any) -> AppState:
     return state
 
 
-def _read_options(app: Any) -> tuple[str, float]:
+def _read_options(app: Any) -> tuple[str, float, float]:
     conf = app.conf
     eager = conf.get("taskonce_eager", "guard")
     if eager not in EAGER_CHOICES:
@@ -87,7 +93,18 @@ def _read_options(app: Any) -> tuple[str, float]:
             f"setting taskonce_store_retry_delay={delay!r} is not valid; it must be a positive "
             "number of seconds"
         )
-    return str(eager), float(delay)
+    every = conf.get("taskonce_relay_every", DEFAULT_RELAY_EVERY)
+    if (
+        isinstance(every, bool)
+        or not isinstance(every, (int, float))
+        or not math.isfinite(every)
+        or every < 0
+    ):
+        raise ConfigError(
+            f"setting taskonce_relay_every={every!r} is not valid; it must be a number of seconds "
+            "(0 turns the relay off)"
+        )
+    return str(eager), float(delay), float(every)
 
 
 def _sinks(value: Any) -> list[EventSink]:
@@ -167,7 +184,7 @@ def setup(app: Any, guard: Guard | None = None) -> Guard:
         raise ConfigError(
             f"setup(app, guard): guard must be a taskonce.Guard, not {type(guard).__name__}"
         )
-    eager, delay = _read_options(app)
+    eager, delay, every = _read_options(app)
     if guard is None:
         guard = guard_from_settings(app)
     state = app_state(app)
@@ -175,11 +192,13 @@ def setup(app: Any, guard: Guard | None = None) -> Guard:
         state.guard = guard
         state.eager = eager
         state.store_retry_delay = delay
+        state.relay_every = every
         state.policies.clear()
+        install(app, guard)
     if app.finalized:
         check_tasks(app, guard)
-    else:
-        app.on_after_finalize.connect(_check_after_finalize, weak=False, dispatch_uid="taskonce")
+    # Otherwise each task is checked when the app binds it (IdempotentTask.on_bound), which
+    # raises out of app.finalize(): a worker stops at start instead of running a bad task.
     return guard
 
 
@@ -190,10 +209,17 @@ def guard_for(app: Any) -> Guard:
     if guard is None:
         with state.lock:
             if state.guard is None:
-                state.eager, state.store_retry_delay = _read_options(app)
+                state.eager, state.store_retry_delay, state.relay_every = _read_options(app)
                 state.guard = guard_from_settings(app)
+                install(app, state.guard)
             guard = state.guard
     return guard
+
+
+def relay_guard(app: Any) -> Guard:
+    """The guard of ``app`` with its Celery publisher registered, for ``taskonce relay
+    --celery-app``: it publishes the deferred sends a worker left pending, no worker needed."""
+    return guard_for(app)
 
 
 def guarded_tasks(app: Any) -> list[Any]:
@@ -205,35 +231,42 @@ def guarded_tasks(app: Any) -> list[Any]:
 
 def check_tasks(app: Any, guard: Guard) -> None:
     """Check every guarded task's ``idempotency`` option against every policy it can meet."""
-    from taskonce.celery_ext.routing import default_queue
-
     for task in guarded_tasks(app):
-        override = task.idempotency
-        queues = [default_queue(task), *guard.queues]
-        for queue in dict.fromkeys(queues):
-            try:
-                guard.policy_for(queue, override)
-            except ConfigError as exc:
-                raise ConfigError(
-                    f"task {task.name!r}: idempotency={override!r} on queue {queue!r}: {exc}"
-                ) from None
+        check_task(task, guard)
 
 
-def _check_after_finalize(sender: Any = None, **_: Any) -> None:
-    state = app_state(sender)
-    if state.guard is None:
-        return
-    try:
-        check_tasks(sender, state.guard)
-    except ConfigError as exc:
-        # Celery's signals log and swallow exceptions; the task raises it again when it runs.
-        logger.critical("taskonce: %s", exc)
+def check_task(task: Any, guard: Guard) -> None:
+    """Check one guarded task's ``idempotency`` option (``task`` is the task or its class)
+    against each policy of ``guard``: every named queue's and the default (any other queue),
+    since a message can be sent to any queue. :class:`ConfigError` names task, option, queue.
+    """
+    override = task.idempotency
+    if override is None:
+        return  # the queues' own policies were checked when the guard was built
+    # A queue name the guard has no policy for, so policy_for answers with the default.
+    other = " (any other queue)"
+    while other in guard.queues:
+        other += " "
+    for queue in [*guard.queues, other]:
+        try:
+            guard.policy_for(queue, override)
+        except ConfigError as exc:
+            where = (
+                "any queue without a policy of its own" if queue == other else f"queue {queue!r}"
+            )
+            raise ConfigError(
+                f"task {task.name!r}: idempotency={override!r} on {where}: {exc}"
+            ) from None
+
+
+#: Exit status of a worker stopped by a configuration error (``EX_CONFIG`` of sysexits.h).
+EXIT_CONFIG = 78
 
 
 def _check_at_worker_start(sender: Any = None, **_: Any) -> None:
     """In the worker's main process, before the pool forks: build and check the guard of an
-    app that has guarded tasks, so a configuration error shows at start, not at the first
-    message."""
+    app that has guarded tasks, and stop the worker on a configuration error — a task that can
+    never run must not consume (and lose) messages."""
     app = getattr(sender, "app", None)
     if app is None:
         return
@@ -242,7 +275,26 @@ def _check_at_worker_start(sender: Any = None, **_: Any) -> None:
             return
         check_tasks(app, guard_for(app))
     except ConfigError as exc:
+        logger.critical("taskonce: %s; the worker does not start", exc)
+        # Celery's signals log and swallow Exceptions; SystemExit is not one, so it ends the
+        # worker before it consumes anything.
+        raise SystemExit(EXIT_CONFIG) from exc
+
+
+def _start_relay(sender: Any = None, **_: Any) -> None:
+    """Once the worker is ready, in its main process: the hand-off relay of an app that has
+    guarded tasks (one sweep per worker, however many pool processes it has)."""
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    try:
+        if not guarded_tasks(app):
+            return
+        guard = guard_for(app)
+        guard.start_relay(app_state(app).relay_every)
+    except ConfigError as exc:
         logger.critical("taskonce: %s", exc)
 
 
 worker_init.connect(_check_at_worker_start, weak=False, dispatch_uid="taskonce.celery_ext.init")
+worker_ready.connect(_start_relay, weak=False, dispatch_uid="taskonce.celery_ext.relay")

@@ -19,6 +19,10 @@ store unreachable         ``fail_closed``: the same, after ``taskonce_store_retr
 ``self.retry()``          release the claim, let Celery store ``RETRY``, *then* publish the retry
 ``self.replace()``        release the claim before the replacement (same id) is published
 bad id / payload mismatch ``Reject(requeue=False)``: not run, dead-lettered where the broker can
+``ConfigError``           ``Reject(requeue=False)`` too: a configuration that cannot run the
+                          message must not acknowledge (lose) it
+the body sends            captured (``defer_sends``); after it returns its ``link`` callbacks and
+                          next ``chain`` step too; published by the guard after the record
 ========================  ==================================================================
 """
 
@@ -34,7 +38,8 @@ from celery import Task
 from celery.exceptions import Ignore, Reject
 from celery.signals import task_postrun
 
-from taskonce.celery_ext.config import AppState, app_state, guard_for
+from taskonce.celery_ext.config import AppState, app_state, check_task, guard_for
+from taskonce.celery_ext.handoff import capture_links, restore_links
 from taskonce.celery_ext.routing import QUEUE_HEADER, delivery_queue
 from taskonce.errors import (
     ConfigError,
@@ -45,6 +50,7 @@ from taskonce.errors import (
     StoreUnavailable,
 )
 from taskonce.guard import Decision, Delivery, Guard, Ticket
+from taskonce.handoff import send_now
 from taskonce.policy import Policy
 
 logger = logging.getLogger("taskonce.celery")
@@ -107,7 +113,8 @@ def publish_held_retry(task_id: str) -> None:
         return
     signature, publish_args, publish_options = held
     try:
-        signature.apply_async(*publish_args, **publish_options)
+        with send_now():  # the same message again, never a deferred send
+            signature.apply_async(*publish_args, **publish_options)
     except Exception as exc:
         logger.error(
             "taskonce: the retry of %s could not be published (%r); rejecting the message "
@@ -150,7 +157,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Check the ``idempotency`` option's fields when the task is bound to its app."""
+        """Check the ``idempotency`` option when the task is bound to its app: its fields, and,
+        once :func:`~taskonce.celery_ext.setup` gave the app its guard, every policy it can
+        meet. The :class:`ConfigError` raises out of the app's finalize, so a worker stops at
+        start."""
         super().on_bound(app)
         if cls.idempotency is not None:
             try:
@@ -159,6 +169,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 raise ConfigError(
                     f"task {cls.name!r}: idempotency={cls.idempotency!r}: {exc}"
                 ) from None
+        guard = app_state(app).guard
+        if guard is not None:
+            check_task(cls, guard)
 
     # -- the guarded call ------------------------------------------------------------------
 
@@ -167,22 +180,27 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if request.called_directly:
             return super().__call__(*args, **kwargs)
         state = app_state(self.app)
-        guard = guard_for(self.app)
         eager = bool(request.is_eager)
+        try:
+            guard = guard_for(self.app)
+        except ConfigError as exc:
+            self._refuse_misconfigured(request, exc, eager)
         if eager and state.eager == "bypass":
             return super().__call__(*args, **kwargs)
         queue = delivery_queue(self, request)
-        delivery = Delivery(
-            message_id=request.id,
-            queue=queue,
-            task=self.name,
-            framework="celery",
-            attempt=int(request.retries or 0),
-            redelivered=_redelivered(request),
-            override=self._policy(state, guard, queue, request),
-        )
         try:
+            delivery = Delivery(
+                message_id=request.id,
+                queue=queue,
+                task=self.name,
+                framework="celery",
+                attempt=int(request.retries or 0),
+                redelivered=_redelivered(request),
+                override=self._policy(state, guard, queue, request),
+            )
             ticket = guard.begin(delivery, args, kwargs)
+        except ConfigError as exc:
+            self._refuse_misconfigured(request, exc, eager)
         except (InvalidInput, PayloadMismatch) as exc:
             logger.error("taskonce: %s[%s] refused, not run: %s", self.name, request.id, exc)
             if eager:
@@ -225,8 +243,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         active = _Active(guard, ticket)
         token = _ACTIVE.set(active)
         try:
+            links: tuple[Any, Any] = (None, None)
             try:
                 result = super().__call__(*args, **kwargs)
+                if ticket.capture is not None and not eager and request.id not in _HELD:
+                    # The tracer publishes these after we return, i.e. after the record: they
+                    # are part of this outcome's sends instead.
+                    links = capture_links(self, request, result)
             except BaseException as exc:
                 active.release(exc)
                 raise
@@ -237,7 +260,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 publish_held_retry(request.id)
             elif not active.settled:
                 active.settled = True
-                self._finish(guard, ticket, result, request, args, kwargs, queue, eager, state)
+                self._finish(
+                    guard, ticket, result, request, args, kwargs, queue, eager, state, links
+                )
             return result
         finally:
             _ACTIVE.reset(token)
@@ -253,7 +278,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         queue: str,
         eager: bool,
         state: AppState,
+        links: tuple[Any, Any] = (None, None),
     ) -> None:
+        """Record the outcome. ``links``: the link callbacks and chain taken from the request
+        into the capture, put back when the message is published again to run later."""
         try:
             guard.finish(ticket, result)
         except LeaseLost as exc:
@@ -279,6 +307,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 request.id,
                 state.store_retry_delay,
             )
+            restore_links(request, links)  # the re-published message carries them on
             self._deliver_later(request, args, kwargs, queue, state.store_retry_delay)
         except InvalidInput as exc:
             # store_result with a result JSON cannot hold: the key is recorded as handled.
@@ -286,6 +315,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except BaseException as exc:
             guard.fail(ticket, exc)
             raise
+
+    def _refuse_misconfigured(self, request: Any, exc: ConfigError, eager: bool) -> NoReturn:
+        """A configuration error met at run time (one that slipped past the start checks): the
+        body cannot run, and acknowledging the message (``FAILURE``) would lose it, so it is
+        rejected without requeue — dead-lettered where the queue has a dead-letter exchange.
+        Eager runs raise the error itself."""
+        if eager:
+            raise exc
+        logger.error(
+            "taskonce: %s[%s] not run: configuration error: %s; the message is rejected without "
+            "requeue, not acknowledged (dead-lettered where the queue has a dead-letter exchange)",
+            self.name,
+            request.id,
+            exc,
+        )
+        raise _reject(exc, requeue=False) from exc
 
     def _policy(self, state: AppState, guard: Guard, queue: str, request: Any) -> Policy:
         """The policy for a delivery on ``queue``: the queue's, this task's option over it, and
@@ -333,7 +378,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             request, args, kwargs, queue=queue, countdown=max(delay, 0.0)
         )
         try:
-            signature.apply_async()
+            with send_now():  # the same message again, never a deferred send
+                signature.apply_async()
         except Exception as exc:
             logger.error(
                 "taskonce: %s[%s] could not be published again (%r); rejecting it back to the "
@@ -421,7 +467,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """Celery's :meth:`~celery.Task.replace`, after releasing this delivery's claim: the
         replacement carries the same task id and must be able to claim it."""
         self._release_active()
-        return super().replace(sig)
+        with send_now():  # the replacement carries this task's id: not a deferred send
+            return super().replace(sig)
 
     def apply(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         """Celery's :meth:`~celery.Task.apply` (eager execution); a ``queue=`` option (as

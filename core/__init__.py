@@ -1,7 +1,7 @@
 """taskonce: effectively-once Celery tasks and Dramatiq actors.
 
 Brokers deliver at least once; taskonce is the idempotent receiver in front of your handlers.
-See DESIGN.md for the contract: keys, modes, the decision table and the events.
+docs/how-it-works.md describes keys, modes, the decision table and the events.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from taskonce.errors import (
     InvalidInput,
     LeaseLost,
     PayloadMismatch,
+    SendRefused,
     StoreUnavailable,
     TaskonceError,
 )
 from taskonce.events import EventSink, JsonlEvents, LoggingEvents
 from taskonce.guard import Decision, Delivery, Guard, Outcome, Ticket
+from taskonce.handoff import Send, send_now
 from taskonce.policy import Policy
 from taskonce.session import current_session
 from taskonce.stores import MemoryStore, Record, Status, Store, open_store
@@ -39,6 +41,8 @@ __all__ = [
     "PayloadMismatch",
     "Policy",
     "Record",
+    "Send",
+    "SendRefused",
     "Status",
     "Store",
     "StoreUnavailable",
@@ -47,6 +51,7 @@ __all__ = [
     "__version__",
     "current_session",
     "open_store",
+    "send_now",
 ]
 
 

@@ -1,63 +1,229 @@
-"""The ``taskonce`` command: demo, stats, inspect, release, purge, init-db."""
+"""The ``taskonce`` command: demo, stats, inspect, release, purge, relay, init-db.
+
+Human output gives times in ISO 8601 (local time, or UTC with ``--utc``) and durations in
+words; ``--json`` gives the raw numbers (seconds since the epoch, seconds)."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import functools
+import importlib
 import json
 import logging
 import os
+import sqlite3
 import sys
+import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import quote
 
-from taskonce.errors import TaskonceError
+from taskonce.errors import ConfigError, TaskonceError
 from taskonce.events import JsonlEvents
 from taskonce.guard import Guard
-from taskonce.stores import open_store
+from taskonce.keys import _escape_queue, make_key
+from taskonce.stores import Store, open_store, redact
 
-DEFAULT_STORE = "sqlite:///taskonce.db"
+DEFAULT_STORE_PATH = "taskonce.db"
+DEFAULT_STORE = f"sqlite:///{DEFAULT_STORE_PATH}"
+_SQL_SCHEMES = ("sqlite", "postgresql", "postgres", "mysql", "mariadb")
+
+logger = logging.getLogger("taskonce.cli")
 
 
 def _store_url(args: argparse.Namespace) -> str:
-    return str(args.store or os.environ.get("TASKONCE_STORE") or DEFAULT_STORE)
+    """The store URL: ``--store``, else ``$TASKONCE_STORE``, else the default, which is said on
+    stderr (an operator must not read the counts of a store they did not mean)."""
+    url = getattr(args, "store", None) or os.environ.get("TASKONCE_STORE")
+    if url:
+        return str(url)
+    sys.stderr.write(
+        f"taskonce: no --store or TASKONCE_STORE given; using {DEFAULT_STORE} "
+        f"({Path(DEFAULT_STORE_PATH).resolve()})\n"
+    )
+    return DEFAULT_STORE
+
+
+def _sqlite_file(url: str) -> str | None:
+    """The database file of an ``sqlite:///`` URL (None for other stores and in-memory SQLite)."""
+    if not url.lower().startswith("sqlite:"):
+        return None
+    import sqlalchemy as sa
+
+    database = sa.engine.make_url(url).database or ""
+    if database.startswith("file:"):  # an SQLite URI filename: file:path?mode=…
+        database = database[len("file:") :].split("?", 1)[0]
+    return None if database in ("", ":memory:") else database
+
+
+def _open_existing(args: argparse.Namespace, *, read_only: bool) -> Store:
+    """The store of a command that works on existing records: it never creates a database file
+    or a table, and a read-only command opens SQLite read-only."""
+    url = _store_url(args)
+    options = _namespace_options(args, url)
+    path = _sqlite_file(url)
+    if path is not None and not Path(path).is_file():
+        raise TaskonceError(
+            f"no store at {url}: {Path(path).resolve()} does not exist (give --store URL or set "
+            "TASKONCE_STORE; `taskonce init-db --store URL` creates an SQL store)"
+        )
+    if url.split("://", 1)[0].split("+", 1)[0].lower() in _SQL_SCHEMES:
+        options["create"] = False
+    if path is not None and read_only:
+        # sqlite3 opens the same file read-only: nothing this command does can write to it
+        uri = f"file:{quote(str(Path(path).resolve()))}?mode=ro"
+        connect = functools.partial(sqlite3.connect, uri, uri=True, check_same_thread=False)
+        options["engine_options"] = {"creator": connect}
+    return open_store(url, **options)
+
+
+def _namespace_options(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    """``--prefix`` / ``--table`` as store options; ConfigError when given to the other kind of
+    store (they would be silently ignored otherwise)."""
+    base = url.split("://", 1)[0].split("+", 1)[0].lower()
+    options: dict[str, Any] = {}
+    prefix, table = getattr(args, "prefix", None), getattr(args, "table", None)
+    if prefix is not None:
+        if base not in ("redis", "rediss", "unix"):
+            raise ConfigError(f"--prefix applies to a Redis store; {redact(url)} is not one")
+        options["prefix"] = prefix
+    if table is not None:
+        if base not in _SQL_SCHEMES:
+            raise ConfigError(f"--table applies to an SQL store; {redact(url)} is not one")
+        options["table"] = table
+    return options
+
+
+def _not_for(args: argparse.Namespace, command: str, reason: str, *names: str) -> None:
+    """ConfigError when an option that means nothing to ``command`` was given."""
+    for name in names:
+        if getattr(args, name, None) is not None:
+            raise ConfigError(f"{command} takes no --{name}: {reason}")
+
+
+def _key(args: argparse.Namespace) -> str:
+    """KEY as given, or with ``--queue`` the key of message id KEY on that queue."""
+    queue = getattr(args, "queue", None)
+    return str(args.key) if queue is None else make_key(args.key, queue, "id+queue")
+
+
+def _queue_of(key: str) -> str:
+    """The queue part of a key (keys of identity ``id`` have none: ``-``)."""
+    head, separator, _ = key.partition(":")
+    return head.replace("%3A", ":").replace("%25", "%") if separator else "-"
+
+
+def _when(timestamp: float, utc: bool) -> str:
+    """A store time as ISO 8601, in local time or UTC, to the second."""
+    moment = datetime.datetime.fromtimestamp(timestamp, tz=datetime.timezone.utc)
+    return (moment if utc else moment.astimezone()).isoformat(timespec="seconds")
+
+
+def duration_in_words(seconds: float) -> str:
+    """``seconds`` as its two largest units: ``4 min 12 s``, ``6 d 23 h``, ``850 ms``."""
+    if seconds < 1:
+        return f"{max(0.0, seconds) * 1000:.0f} ms"
+    rest = round(seconds)
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60), ("s", 1)):
+        if rest >= size:
+            parts.append(f"{rest // size} {unit}")
+            rest %= size
+    return " ".join(parts[:2])
 
 
 def _emit(out: TextIO, args: argparse.Namespace, data: Any, human: str) -> None:
     out.write((json.dumps(data, sort_keys=True) if args.json else human) + "\n")
 
 
+_COUNTS = ("keys", "in_progress", "completed", "marked", "sends_pending")
+
+
 def _cmd_stats(args: argparse.Namespace, out: TextIO) -> int:
-    with open_store(_store_url(args)) as store:
-        stats = dict(store.stats())
-        lines = [store.describe()] + [f"  {name:<12} {value}" for name, value in stats.items()]
-        _emit(out, args, {"store": store.describe(), **stats}, "\n".join(lines))
+    queue = getattr(args, "queue", None)
+    with _open_existing(args, read_only=True) as store:
+        expired = int(store.stats()["expired"])
+        key_prefix = "" if queue is None else f"{_escape_queue(queue)}:"
+        queues: dict[str, dict[str, int]] = {}
+        for record in store.records(key_prefix):
+            row = queues.setdefault(_queue_of(record.key), dict.fromkeys(_COUNTS, 0))
+            row["keys"] += 1
+            row["in_progress" if record.state == "claimed" else record.state] += 1
+            row["sends_pending"] += int(record.sends_pending)
+        total = {name: sum(row[name] for row in queues.values()) for name in _COUNTS}
+        data = {
+            "store": store.describe(),
+            "queue": queue,
+            **total,
+            "expired": expired,
+            "queues": queues,
+        }
+        header = (
+            f"{'queue':<24} {'keys':>8} {'claimed':>8} {'completed':>10} {'marked':>8} "
+            f"{'unsent':>8}"
+        )
+        lines = [store.describe(), header]
+        rows = sorted(queues.items())
+        if queue is None:
+            rows.append(("all", total))
+        for name, row in rows:
+            lines.append(
+                f"{name:<24} {row['keys']:>8} {row['in_progress']:>8} {row['completed']:>10} "
+                f"{row['marked']:>8} {row['sends_pending']:>8}"
+            )
+        lines.append(f"expired records awaiting purge (every queue): {expired}")
+        _emit(out, args, data, "\n".join(lines))
     return 0
 
 
 def _cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
-    with open_store(_store_url(args)) as store:
-        record = store.get(args.key)
-        if record is None:
-            _emit(out, args, None, f"no live record for key {args.key!r}")
-            return 1
-        data = record.as_dict()
-        width = max(len(name) for name in data)
-        _emit(out, args, data, "\n".join(f"{k:<{width}}  {v}" for k, v in data.items()))
+    key = _key(args)
+    with _open_existing(args, read_only=True) as store:
+        record = store.get(key)
+    if record is None:
+        _emit(out, args, None, f"no live record for key {key!r}")
+        return 1
+    utc = bool(getattr(args, "utc", False))
+    lease = record.lease_remaining
+    rows = {
+        "key": record.key,
+        "queue": _queue_of(record.key),
+        "state": record.state,
+        "owner": record.owner or "-",
+        "fingerprint": record.fingerprint or "-",
+        "result": record.result if record.result is not None else "-",
+        "created": _when(record.created_at, utc),
+        "kept until": _when(record.expires_at, utc),
+        "lease left": duration_in_words(lease) if record.state == "claimed" else "-",
+        "sends": f"{len(record.sends)} pending" if record.sends_pending else "-",
+    }
+    lines = [f"{name:<12} {value}" for name, value in rows.items()]
+    data = record.as_dict()
+    sends = [json.loads(text) for text in data.pop("sends")]
+    for send in sends:  # the deferred sends still to publish, in send order
+        body = send.get("body") or {}
+        name = body.get("task") or body.get("actor_name") or "?"
+        lines.append(f"pending send {send['id']} {send['framework']} {name}")
+    _emit(out, args, {**data, "queue": rows["queue"], "sends": sends}, "\n".join(lines))
     return 0
 
 
 def _cmd_release(args: argparse.Namespace, out: TextIO) -> int:
-    with open_store(_store_url(args)) as store:
-        existed = store.get(args.key) is not None
-        store.release(args.key, None)
-        human = f"released {args.key!r}" if existed else f"nothing recorded for {args.key!r}"
-        _emit(out, args, {"key": args.key, "released": existed}, human)
+    key = _key(args)
+    with _open_existing(args, read_only=False) as store:
+        existed = store.get(key) is not None
+        store.release(key, None)
+        human = f"released {key!r}" if existed else f"nothing recorded for {key!r}"
+        _emit(out, args, {"key": key, "released": existed}, human)
     return 0
 
 
 def _cmd_purge(args: argparse.Namespace, out: TextIO) -> int:
+    _not_for(args, "purge", "it deletes the expired records of every queue", "queue")
     events = [JsonlEvents(args.events)] if args.events else []
-    guard = Guard(open_store(_store_url(args)), events=events)
+    guard = Guard(_open_existing(args, read_only=False), events=events)
     try:
         deleted = guard.purge(args.batch)
     finally:
@@ -66,19 +232,81 @@ def _cmd_purge(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _load_object(spec: str, option: str) -> Any:
+    """``MODULE:attribute`` imported (the attribute may be dotted)."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(f"{option} {spec!r}: expected MODULE:OBJECT, e.g. proj.celery:app")
+    sys.path.insert(0, os.getcwd())  # like celery -A: modules of the current directory
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{option} {spec!r}: cannot import {module_name!r}: {exc}") from None
+    value: Any = module
+    for part in attribute.split("."):
+        try:
+            value = getattr(value, part)
+        except AttributeError:
+            raise ConfigError(f"{option} {spec!r}: {module_name} has no {attribute!r}") from None
+    return value
+
+
+def _relay_guard(args: argparse.Namespace) -> Guard:
+    """The guard of the app/broker named on the command line, its publisher registered by
+    the adapter (``relay_guard`` of taskonce.celery_ext / taskonce.dramatiq_ext)."""
+    if args.celery_app:
+        target, adapter = _load_object(args.celery_app, "--celery-app"), "celery_ext"
+    elif args.dramatiq_broker:
+        target, adapter = _load_object(args.dramatiq_broker, "--dramatiq-broker"), "dramatiq_ext"
+    else:
+        raise ConfigError(
+            "taskonce relay needs --celery-app MODULE:app or --dramatiq-broker MODULE:broker: "
+            "it publishes the pending sends through that app's or broker's connection"
+        )
+    module = importlib.import_module(f"taskonce.{adapter}")
+    guard: Guard = module.relay_guard(target)
+    return guard
+
+
+def _cmd_relay(args: argparse.Namespace, out: TextIO) -> int:
+    guard = _relay_guard(args)
+    stop = threading.Event()
+    total = 0
+    try:
+        while True:
+            dispatched = guard.relay(older_than=args.older_than, batch=args.batch)
+            total += dispatched
+            if dispatched or args.once:
+                _emit(
+                    out,
+                    args,
+                    {"dispatched": dispatched},
+                    f"published the pending sends of {dispatched} record(s)",
+                )
+            if args.once:
+                return 0
+            if dispatched < args.batch:  # a full batch: more may be waiting, go on at once
+                stop.wait(args.every)
+    except KeyboardInterrupt:
+        logger.info("relay stopped after publishing the sends of %d record(s)", total)
+        return 0
+
+
 def _cmd_init_db(args: argparse.Namespace, out: TextIO) -> int:
     from taskonce.stores.sql import init_db
 
-    description = init_db(_store_url(args), args.table)
+    _not_for(args, "init-db", "the table holds every queue", "queue")
+    _not_for(args, "init-db", "it creates an SQL store's table", "prefix")
+    description = init_db(_store_url(args), getattr(args, "table", None))
     _emit(out, args, {"store": description}, f"ready: {description}")
     return 0
 
 
 def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     if args.framework == "dramatiq":
-        from taskonce.dramatiq_ext.demo import run_demo
+        from taskonce.demo.dramatiq_demo import run_demo
     else:
-        from taskonce.celery_ext.demo import run_demo
+        from taskonce.demo.celery_demo import run_demo
     return int(run_demo(store=args.store, broker=args.broker, count=args.count, out=out))
 
 
@@ -90,7 +318,6 @@ def _cmd_audit(args: argparse.Namespace, out: TextIO) -> int:
 
 def _cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     import runpy
-    from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "bench" / "store_ops.py"
     if not script.exists():
@@ -129,6 +356,25 @@ def build_parser() -> argparse.ArgumentParser:
         return parser
 
     common = options(argparse.ArgumentParser(add_help=False), suppress=True)
+    # The store commands' own options, absent unless given (each command checks the ones that
+    # mean nothing to it).
+    absent: dict[str, Any] = {"default": argparse.SUPPRESS}
+    store_options = argparse.ArgumentParser(add_help=False)
+    store_options.add_argument(
+        "--prefix", help="a Redis store's key prefix (default taskonce)", **absent
+    )
+    store_options.add_argument(
+        "--table", help="an SQL store's table (default taskonce_keys)", **absent
+    )
+    store_options.add_argument(
+        "--queue",
+        help="only this queue; with KEY, KEY is a message id on this queue",
+        **absent,
+    )
+    store_options.add_argument(
+        "--utc", action="store_true", help="times in UTC (default: local time)", **absent
+    )
+    on_store = [common, store_options]
     parser = options(
         argparse.ArgumentParser(
             prog="taskonce",
@@ -147,28 +393,54 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--count", type=int, default=300, help="charge tasks to send (default 300)")
     demo.set_defaults(func=_cmd_demo)
 
-    stats = sub.add_parser("stats", parents=[common], help="count the records in the store")
+    stats = sub.add_parser(
+        "stats",
+        parents=on_store,
+        help="count the records per queue: claimed, completed (eager), marked (lazy)",
+    )
     stats.set_defaults(func=_cmd_stats)
 
-    inspect = sub.add_parser("inspect", parents=[common], help="show one key's record")
-    inspect.add_argument("key", metavar="KEY", help="the store key, e.g. payments:<task id>")
+    inspect = sub.add_parser("inspect", parents=on_store, help="show one key's record")
+    inspect.add_argument(
+        "key", metavar="KEY", help="the store key, e.g. payments:<task id> (or --queue QUEUE ID)"
+    )
     inspect.set_defaults(func=_cmd_inspect)
 
     release = sub.add_parser(
-        "release", parents=[common], help="delete one key's record (an operator's release)"
+        "release", parents=on_store, help="delete one key's record (an operator's release)"
     )
     release.add_argument("key", metavar="KEY")
     release.set_defaults(func=_cmd_release)
 
-    purge = sub.add_parser("purge", parents=[common], help="delete expired records")
+    purge = sub.add_parser("purge", parents=on_store, help="delete expired records")
     purge.add_argument("--batch", type=int, default=1000, help="rows per delete (default 1000)")
     purge.add_argument("--events", metavar="FILE", help="append the purged event to this JSONL")
     purge.set_defaults(func=_cmd_purge)
 
-    init_db = sub.add_parser("init-db", parents=[common], help="create the SQL store's table")
-    init_db.add_argument(
-        "--table", default="taskonce_keys", help="table name (default taskonce_keys)"
+    relay = sub.add_parser(
+        "relay",
+        parents=[common],
+        help="publish deferred sends left pending (a worker died after recording its outcome)",
     )
+    target = relay.add_mutually_exclusive_group()
+    target.add_argument("--celery-app", metavar="MODULE:APP", help="the Celery app, e.g. proj:app")
+    target.add_argument(
+        "--dramatiq-broker", metavar="MODULE:BROKER", help="the Dramatiq broker, e.g. proj:broker"
+    )
+    relay.add_argument("--once", action="store_true", help="one sweep, then exit")
+    relay.add_argument(
+        "--every", type=float, default=30.0, help="seconds between sweeps (default 30)"
+    )
+    relay.add_argument(
+        "--older-than",
+        type=float,
+        default=10.0,
+        help="only sends pending at least this many seconds (default 10)",
+    )
+    relay.add_argument("--batch", type=int, default=100, help="records per sweep (default 100)")
+    relay.set_defaults(func=_cmd_relay)
+
+    init_db = sub.add_parser("init-db", parents=on_store, help="create the SQL store's table")
     init_db.set_defaults(func=_cmd_init_db)
 
     from taskonce.spark_ext.cli import add_arguments as add_audit_arguments  # no Spark import

@@ -21,6 +21,12 @@ class InvalidInput(TaskonceError, ValueError):
     longer than a store accepts, arguments or a result that JSON cannot represent."""
 
 
+class SendRefused(InvalidInput):
+    """A guarded handler sent a message the hand-off cannot store: an argument JSON cannot
+    represent, or more than the size limit of captured sends. Raised at the send call; the
+    message names the task and the argument."""
+
+
 class StoreUnavailable(TaskonceError):
     """The store could not be reached or did not answer; with ``on_store_error="fail_closed"``
     the handler was not run and the message should go back to the broker."""
@@ -83,6 +89,7 @@ __all__ = [
     "InvalidInput",
     "LeaseLost",
     "PayloadMismatch",
+    "SendRefused",
     "StoreUnavailable",
     "TaskonceError",
 ]

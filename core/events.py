@@ -1,6 +1,6 @@
 """Events: one flat record per guard decision, to logging (always) and optional sinks.
 
-The field and event names are public (DESIGN.md, Events): ``taskonce audit`` reads them.
+The field and event names are public (docs/how-it-works.md, Events): ``taskonce audit`` reads them.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ EVENT_NAMES = frozenset(
         "payload_mismatch",
         "store_error",
         "purged",
+        "sends_deferred",
+        "sends_dispatched",
+        "sends_redispatched",
+        "sends_discarded",
     }
 )
 
@@ -50,13 +54,23 @@ FIELDS = (
     "duration_ms",
     "lease_s",
     "keep_for_s",
+    "reason",
+    "recovery_s",
+    "count",
 )
 
 _WARNING_EVENTS = frozenset(
     {"lease_lost", "concurrent_duplicate", "payload_mismatch", "store_error"}
 )
 _INFO_EVENTS = frozenset(
-    {"duplicate_skipped", "in_progress_deferred", "lease_taken_over", "purged"}
+    {
+        "duplicate_skipped",
+        "in_progress_deferred",
+        "lease_taken_over",
+        "purged",
+        "sends_redispatched",
+        "sends_discarded",
+    }
 )
 _HOST = socket.gethostname()
 

@@ -1,4 +1,4 @@
-"""The guard: the decision table of DESIGN.md, framework-neutral.
+"""The guard: the decision table of docs/how-it-works.md, framework-neutral.
 
 Adapters translate their framework's moments into three calls: :meth:`Guard.begin` before the
 handler (it decides: run, skip, defer, or run unguarded), :meth:`Guard.finish` after success
@@ -12,11 +12,15 @@ import dataclasses
 import enum
 import json
 import logging
+import os
 import secrets
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from taskonce import handoff
 from taskonce.errors import (
     ConfigError,
     InProgressElsewhere,
@@ -26,11 +30,13 @@ from taskonce.errors import (
     StoreUnavailable,
 )
 from taskonce.events import EventSink, LoggingEvents, make_event, utc_now_iso, worker_id
+from taskonce.handoff import DEFAULT_SEND_LIMIT, Capture, Publisher, Send
 from taskonce.heartbeat import Heartbeat
 from taskonce.keys import fingerprint, make_key
 from taskonce.policy import Policy
 from taskonce.session import _current
 from taskonce.stores.base import ClaimOutcome, Record, Status, Store
+from taskonce.worker import Identity, Liveness, identity, owner_gone
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -43,6 +49,25 @@ T = TypeVar("T")
 MIN_RETRY_AFTER = 0.1
 #: Attempts at the final write (complete/mark) when the store blips after the handler ran.
 _FINAL_WRITE_ATTEMPTS = 3
+#: Claims of a key whose dead owner's claim another delivery took over first, before deferring.
+_TAKE_OVER_ATTEMPTS = 3
+#: A deferred duplicate of a live owner's claim comes back this long after the owner's liveness
+#: record would lapse, so that it finds the lapse if the owner died meanwhile.
+_LAPSE_MARGIN = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class _Verdict:
+    """What the signs of life say about a claim's owner."""
+
+    dead: bool
+    reason: str | None = None  # why it is taken over: "owner_dead" | "owner_silent"
+    recovery_s: float | None = None  # seconds from its last liveness write to now
+    recheck_in: float | None = None  # when it is alive: judge again after this many seconds
+
+
+#: A redelivery whose pending sends could not be published comes back after this many seconds.
+_REDISPATCH_RETRY = 5.0
 
 
 class Decision(str, enum.Enum):
@@ -94,6 +119,9 @@ class Ticket:
     _heartbeat: int | None = None
     _session: Session | None = None
     _session_token: contextvars.Token[Session | None] | None = None
+    #: the sends the handler made, captured for the hand-off (RUN with defer_sends)
+    capture: Capture | None = None
+    _capture_token: contextvars.Token[Capture | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +143,9 @@ class Guard:
         ``default``.
     :param events: extra event sinks (e.g. :class:`~taskonce.JsonlEvents`); events always go
         to logging too.
+    :param send_limit: the most bytes (JSON) of sends one handler may defer; default 1 MiB.
+    :param dispatch_lease: seconds one dispatcher (a redelivery, a relay) holds a record's
+        pending sends before another may publish them; default 30.
     """
 
     def __init__(
@@ -123,9 +154,20 @@ class Guard:
         default: Policy | Mapping[str, Any] | None = None,
         queues: Mapping[str, Policy | Mapping[str, Any]] | None = None,
         events: Iterable[EventSink] = (),
+        *,
+        send_limit: int = DEFAULT_SEND_LIMIT,
+        dispatch_lease: float = 30.0,
     ) -> None:
         if not isinstance(store, Store):
-            raise ConfigError(f"Guard(store=…) needs a taskonce Store, not {type(store).__name__}")
+            # The value is not echoed: a store URL may carry a password.
+            hint = (
+                ": open the store from its URL with taskonce.open_store(url) and pass that"
+                if isinstance(store, str)
+                else ""
+            )
+            raise ConfigError(
+                f"Guard(store=…) needs a taskonce Store, not {type(store).__name__}{hint}"
+            )
         self.store = store
         self.default = Policy().overridden_by(default)
         self.queues: dict[str, Policy] = {}
@@ -146,6 +188,182 @@ class Guard:
         for policy in [self.default, *self.queues.values()]:
             self._check_store_supports(policy)
         self._heartbeat = Heartbeat()
+        identity()  # a bad TASKONCE_WORKER_ID is a ConfigError now, not at the first claim
+        self._liveness = Liveness(store)
+        if isinstance(send_limit, bool) or not isinstance(send_limit, int) or send_limit < 1:
+            raise ConfigError(
+                f"Guard(send_limit={send_limit!r}) must be a positive number of bytes"
+            )
+        if (
+            isinstance(dispatch_lease, bool)
+            or not isinstance(dispatch_lease, (int, float))
+            or not 0 < dispatch_lease < float("inf")
+        ):
+            raise ConfigError(
+                f"Guard(dispatch_lease={dispatch_lease!r}) must be a positive number of seconds"
+            )
+        self.send_limit = send_limit
+        self.dispatch_lease = float(dispatch_lease)
+        self._publishers: dict[str, Publisher] = {}
+        self._relay_lock = threading.Lock()
+        self._relay_thread: tuple[int, threading.Thread, threading.Event] | None = None
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _after_fork_in_child(ref))
+
+    # -- hand-off --------------------------------------------------------------------------
+
+    def register_publisher(self, framework: str, publish: Publisher) -> None:
+        """Let the guard publish deferred sends of ``framework`` with ``publish``.
+
+        Adapters call it once (Celery ``setup()``, ``IdempotencyMiddleware``); a second call for
+        the same framework replaces the first.
+        """
+        if not isinstance(framework, str) or not framework:
+            raise ConfigError("register_publisher: framework must be a non-empty string")
+        if not callable(publish):
+            raise ConfigError(f"register_publisher: {publish!r} is not callable")
+        self._publishers[framework] = publish
+
+    def relay(self, older_than: float = 10.0, batch: int = 100) -> int:
+        """Publish the deferred sends left pending for at least ``older_than`` seconds (a worker
+        died between recording an outcome and publishing, and the message never came back).
+
+        Each record is taken under a dispatch lease, so two relays never publish one record's
+        sends at the same moment. Returns how many records this call dispatched.
+        """
+        dispatched = 0
+        for key in self.store.pending_sends(older_than, batch):
+            token = secrets.token_hex(16)
+            lease = self.store.take_sends(key, token, self.dispatch_lease, older_than)
+            if not lease.sends:
+                continue  # published meanwhile, or another dispatcher holds it
+            if self._dispatch(key, token, lease.sends, None):
+                dispatched += 1
+                self._send(
+                    make_event(
+                        "sends_dispatched",
+                        key=key,
+                        lease_s=self.dispatch_lease,
+                        count=len(lease.sends),
+                    )
+                )
+        return dispatched
+
+    def start_relay(self, every: float = 30.0, older_than: float | None = None) -> None:
+        """Run :meth:`relay` every ``every`` seconds in a daemon thread of this process (one per
+        guard and process: a second call does nothing; a forked child starts its own).
+        ``every <= 0`` turns it off. ``older_than`` defaults to ``every``."""
+        if isinstance(every, bool) or not isinstance(every, (int, float)):
+            raise ConfigError(f"start_relay(every={every!r}) must be seconds")
+        if every <= 0:
+            return
+        age = float(every if older_than is None else older_than)
+        with self._relay_lock:
+            running = self._relay_thread
+            if running is not None and running[0] == os.getpid() and running[1].is_alive():
+                return
+            stop = threading.Event()
+            thread = threading.Thread(
+                target=self._relay_loop,
+                args=(float(every), age, stop),
+                name="taskonce-relay",
+                daemon=True,
+            )
+            self._relay_thread = (os.getpid(), thread, stop)
+            thread.start()
+
+    def stop_relay(self, timeout: float | None = None) -> None:
+        """Stop the sweep :meth:`start_relay` started in this process (waits up to ``timeout``)."""
+        with self._relay_lock:
+            running, self._relay_thread = self._relay_thread, None
+        if running is not None and running[0] == os.getpid():
+            running[2].set()
+            running[1].join(timeout)
+
+    def _relay_loop(self, every: float, older_than: float, stop: threading.Event) -> None:
+        while not stop.wait(every):
+            try:
+                self.relay(older_than)
+            except Exception:  # a sweep that fails (store down) tries again next time
+                logger.exception("deferred-send relay sweep failed; trying again in %ss", every)
+
+    def _end_capture(self, ticket: Ticket) -> tuple[str, ...]:
+        """Stop capturing for ``ticket``; the JSON texts of what its handler sent."""
+        capture = ticket.capture
+        if capture is None and ticket._capture_token is None:
+            return ()
+        ticket.capture = None
+        if ticket._capture_token is not None:
+            _reset(handoff._capture, ticket._capture_token)
+            ticket._capture_token = None
+        return () if capture is None else tuple(capture.texts)
+
+    def _dispatch(self, key: str, token: str, texts: Sequence[str], ticket: Ticket | None) -> bool:
+        """Publish ``texts`` in order, then mark them dispatched (fenced by ``token``). False
+        when a publish failed or the mark was refused: they stay pending for a redelivery or
+        the relay (the children's ids are fixed, so their guard drops a second copy)."""
+        if not self._publish_all(key, texts):
+            return False
+        try:
+            return self.store.dispatched(key, token)
+        except StoreUnavailable:
+            logger.warning(
+                "sends of %s were published but not marked dispatched; they may be published "
+                "again (same ids)",
+                key,
+            )
+            if ticket is not None:
+                self._emit("store_error", ticket)
+            return False
+
+    def _publish_all(self, key: str, texts: Sequence[str]) -> bool:
+        """Publish ``texts`` in order through their frameworks' publishers; False at the
+        first one that fails (the rest are not tried: order is kept)."""
+        with handoff.send_now():  # a publisher must not be captured by an enclosing handler
+            for text in texts:
+                send = Send.from_json(text)
+                publish = self._publishers.get(send.framework)
+                if publish is None:
+                    logger.error(
+                        "no publisher registered for %r sends; %s keeps %d send(s) pending",
+                        send.framework,
+                        key,
+                        len(texts),
+                    )
+                    return False
+                try:
+                    publish(send)
+                except Exception as exc:
+                    logger.warning(
+                        "publishing deferred send %s of %s failed (%s: %s); it stays pending for "
+                        "a redelivery or the relay",
+                        send.id,
+                        key,
+                        type(exc).__name__,
+                        exc,
+                    )
+                    return False
+        return True
+
+    def _redispatch(self, ticket: Ticket) -> bool:
+        """A handled message came back with sends pending: publish them. False (decision
+        DEFER) when another dispatcher holds them or a publish failed."""
+        assert ticket.key is not None
+        token = secrets.token_hex(16)
+        lease = self.store.take_sends(ticket.key, token, self.dispatch_lease)
+        if lease.sends:
+            if self._dispatch(ticket.key, token, lease.sends, ticket):
+                self._emit("sends_redispatched", ticket, count=len(lease.sends))
+                return True
+            retry_after = _REDISPATCH_RETRY
+        elif lease.retry_after > 0:
+            retry_after = lease.retry_after
+        else:
+            return True  # published meanwhile
+        ticket.decision = Decision.DEFER
+        ticket.retry_after = max(retry_after, MIN_RETRY_AFTER)
+        self._emit("in_progress_deferred", ticket)
+        return False
 
     # -- policies ------------------------------------------------------------------------
 
@@ -195,26 +413,93 @@ class Guard:
                 ticket.decision = Decision.UNGUARDED
                 return ticket
             raise
-        if ticket.decision is Decision.RUN and policy.transactional:
-            self._open_session(ticket)
+        if ticket.decision is Decision.RUN:
+            if policy.transactional:
+                self._open_session(ticket)
+            if policy.defer_sends:
+                ticket.capture = Capture(key, delivery.task, self.send_limit)
+                ticket._capture_token = handoff._capture.set(ticket.capture)
+            elif handoff._capture.get() is not None:
+                # Guarded inside another guarded handler: this one's policy says publish at once.
+                ticket._capture_token = handoff._capture.set(None)
         return ticket
 
     def _begin_eager(self, ticket: Ticket) -> None:
         assert ticket.key is not None
-        policy = ticket.policy
-        owner = secrets.token_hex(16)
-        claim = self.store.claim(
-            ticket.key, owner, policy.lease, policy.keep_for, ticket.fingerprint
-        )
-        if claim.outcome is ClaimOutcome.EXISTS:
-            assert claim.record is not None
-            self._decide_existing(ticket, claim.record)
-            return
+        key, policy = ticket.key, ticket.policy
+        self._liveness.ensure()  # a write only on a process's first claim
+        me = str(identity())
+        for _ in range(_TAKE_OVER_ATTEMPTS):
+            owner = secrets.token_hex(16)
+            claim = self.store.claim(
+                key, owner, policy.lease, policy.keep_for, ticket.fingerprint, me
+            )
+            if claim.outcome is ClaimOutcome.CLAIMED:
+                self._hold(ticket, owner, "claimed")
+                return
+            if claim.outcome is ClaimOutcome.TAKEN_OVER:
+                self._hold(ticket, owner, "lease_taken_over", reason="lease_expired")
+                return
+            record = claim.record
+            assert record is not None
+            verdict = None
+            if record.status is Status.IN_PROGRESS and not self._mismatch(ticket, record):
+                verdict = self._judge_owner(record)
+            if verdict is None or not verdict.dead:
+                recheck = None if verdict is None else verdict.recheck_in
+                self._decide_existing(ticket, record, recheck)
+                return
+            assert record.owner is not None
+            if self.store.take_over(key, record.owner, owner, policy.lease, policy.keep_for, me):
+                logger.info("took over %s from %s (%s)", key, record.worker, verdict.reason)
+                self._hold(
+                    ticket,
+                    owner,
+                    "lease_taken_over",
+                    reason=verdict.reason,
+                    recovery_s=verdict.recovery_s,
+                )
+                return
+            # Another delivery took it over (or it completed) first: look again.
+        record = self.store.get(key)
+        if record is None:
+            raise StoreUnavailable(f"claim of {key!r} kept changing hands; try again later")
+        self._decide_existing(ticket, record)
+
+    def _hold(
+        self,
+        ticket: Ticket,
+        owner: str,
+        event: str,
+        reason: str | None = None,
+        recovery_s: float | None = None,
+    ) -> None:
+        """The claim is ours: note it, say so, and keep its lease renewed while it runs."""
         ticket.owner = owner
-        self._emit(
-            "claimed" if claim.outcome is ClaimOutcome.CLAIMED else "lease_taken_over", ticket
-        )
-        ticket._heartbeat = self._heartbeat.watch(policy.lease, lambda: self._renew(ticket))
+        self._emit(event, ticket, reason=reason, recovery_s=recovery_s)
+        ticket._heartbeat = self._heartbeat.watch(ticket.policy.lease, lambda: self._renew(ticket))
+
+    def _judge_owner(self, record: Record) -> _Verdict | None:
+        """Whether the owner of the live claim ``record`` is known dead; None when the claim
+        names no worker identity (written by an older version: only its lease decides).
+
+        Dead: it ran on this host and its process is gone, or its liveness record lapsed while
+        this process could write its own (during a store outage everyone looks silent).
+        """
+        owner = Identity.parse(record.worker)
+        if owner is None or record.owner is None:
+            return None
+        assert record.worker is not None
+        seen = self.store.seen(record.worker)
+        recovery = None if seen is None else round(seen.ago, 3)
+        if owner_gone(owner):
+            return _Verdict(True, "owner_dead", recovery)
+        if seen is not None and seen.remaining > 0:
+            return _Verdict(False, recheck_in=seen.remaining + _LAPSE_MARGIN)
+        wait = self._liveness.silence_wait()
+        if wait > 0:
+            return _Verdict(False, recheck_in=wait + _LAPSE_MARGIN)
+        return _Verdict(True, "owner_silent", recovery)
 
     def _begin_lazy(self, ticket: Ticket) -> None:
         assert ticket.key is not None
@@ -222,19 +507,35 @@ class Guard:
         if record is not None:
             self._decide_existing(ticket, record)
 
-    def _decide_existing(self, ticket: Ticket, record: Record) -> None:
-        """A live record exists for the key: mismatch, duplicate, or running elsewhere."""
+    @staticmethod
+    def _mismatch(ticket: Ticket, record: Record) -> bool:
+        return bool(
+            record.fingerprint and ticket.fingerprint and record.fingerprint != ticket.fingerprint
+        )
+
+    def _decide_existing(
+        self, ticket: Ticket, record: Record, recheck_in: float | None = None
+    ) -> None:
+        """A live record exists for the key: mismatch, duplicate, or running elsewhere (then
+        deferred until its lease runs out, or sooner to ``recheck_in`` its owner's liveness)."""
         assert ticket.key is not None
-        if record.fingerprint and ticket.fingerprint and record.fingerprint != ticket.fingerprint:
+        if self._mismatch(ticket, record):
+            assert record.fingerprint is not None and ticket.fingerprint is not None
             self._emit("payload_mismatch", ticket)
             raise PayloadMismatch(ticket.key, record.fingerprint, ticket.fingerprint)
+        if record.status is Status.COMPLETED and record.sends_pending:
+            if not self._redispatch(ticket):
+                return
         if record.status is Status.COMPLETED or ticket.policy.on_in_progress == "skip":
             ticket.decision = Decision.SKIP
             ticket.stored_result = _decode(record.result)
             self._emit("duplicate_skipped", ticket)
             return
         ticket.decision = Decision.DEFER
-        ticket.retry_after = max(record.lease_remaining, MIN_RETRY_AFTER)
+        wait = record.lease_remaining
+        if recheck_in is not None:
+            wait = min(wait, recheck_in)
+        ticket.retry_after = max(wait, MIN_RETRY_AFTER)
         self._emit("in_progress_deferred", ticket)
 
     def finish(self, ticket: Ticket, result: Any = None) -> None:
@@ -248,10 +549,14 @@ class Guard:
         if ticket.decision is not Decision.RUN:
             return
         self._stop_heartbeat(ticket)
+        sends = self._end_capture(ticket)
         policy = ticket.policy
         key = ticket.key
         assert key is not None
         encoded, encode_error = _encode(result, ticket) if policy.store_result else (None, None)
+        # The sends' dispatch token: the claim's owner token (eager), a fresh one (lazy).
+        token = ticket.owner or (secrets.token_hex(16) if sends else "")
+        recorded = False
         try:
             if policy.mode == "eager":
                 assert ticket.owner is not None
@@ -261,35 +566,49 @@ class Guard:
                     self._final_write(
                         ticket,
                         lambda: self.store.complete_in(  # type: ignore[attr-defined]
-                            session, key, owner, policy.keep_for, encoded
+                            session, key, owner, policy.keep_for, encoded, sends
                         ),
                     )
                     self._commit(ticket)
-                else:
+                elif sends:
+                    self._final_write(
+                        ticket,
+                        lambda: self.store.complete(key, owner, policy.keep_for, encoded, sends),
+                    )
+                else:  # a task that sends nothing calls exactly what it did before the hand-off
                     self._final_write(
                         ticket,
                         lambda: self.store.complete(key, owner, policy.keep_for, encoded),
                     )
+                recorded = True
                 self._emit("completed", ticket, duration=True)
             else:
+                fp = ticket.fingerprint
                 if ticket._session is not None:
                     session = ticket._session
                     wrote = self._final_write(
                         ticket,
                         lambda: self.store.mark_in(  # type: ignore[attr-defined]
-                            session, key, policy.keep_for, ticket.fingerprint, encoded
+                            session, key, policy.keep_for, fp, encoded, sends, token
                         ),
                     )
                     wrote = bool(wrote) and self._commit(ticket, duplicate_ok=True)
-                else:
+                elif sends:
                     wrote = bool(
                         self._final_write(
                             ticket,
                             lambda: self.store.mark(
-                                key, policy.keep_for, ticket.fingerprint, encoded
+                                key, policy.keep_for, fp, encoded, sends, token
                             ),
                         )
                     )
+                else:
+                    wrote = bool(
+                        self._final_write(
+                            ticket, lambda: self.store.mark(key, policy.keep_for, fp, encoded)
+                        )
+                    )
+                recorded = wrote
                 self._emit("marked" if wrote else "concurrent_duplicate", ticket, duration=True)
         except LeaseLost:
             if not ticket.lost:
@@ -298,9 +617,22 @@ class Guard:
             raise
         except StoreUnavailable:
             self._emit("store_error", ticket, duration=True)
+            if sends and ticket._session is None:
+                # The handler's effects stand but its outcome could not be recorded: its
+                # messages leave now, best effort, as they would without the hand-off (a
+                # redelivery that runs it again sends them under the same ids).
+                recorded = self._publish_all(key, sends)
+                if recorded:
+                    self._emit("sends_dispatched", ticket, count=len(sends))
             raise
         finally:
             self._close_session(ticket)
+            if sends and not recorded:
+                self._emit("sends_discarded", ticket, count=len(sends))
+        if sends:
+            self._emit("sends_deferred", ticket, count=len(sends))
+            if self._dispatch(key, token, sends, ticket):
+                self._emit("sends_dispatched", ticket, count=len(sends))
         if encode_error is not None:
             raise encode_error
 
@@ -311,6 +643,9 @@ class Guard:
         if ticket.decision is not Decision.RUN:
             return
         self._stop_heartbeat(ticket)
+        sends = self._end_capture(ticket)
+        if sends:
+            self._emit("sends_discarded", ticket, count=len(sends))
         self._close_session(ticket)
         if ticket.policy.mode != "eager" or ticket.owner is None:
             return
@@ -375,10 +710,19 @@ class Guard:
         event = make_event("purged", lease_s=self.default.lease, keep_for_s=self.default.keep_for)
         self._send(event)
         logger.info("purged %d expired record(s) from %s", deleted, self.store.describe())
+        pending = len(self.store.pending_sends(0.0, batch))
+        if pending:
+            logger.warning(
+                "%s%d record(s) still have deferred sends pending and are kept, even past their "
+                "keep_for, until they are published: is a relay running (taskonce relay)?",
+                "at least " if pending >= batch else "",
+                pending,
+            )
         return deleted
 
     def close(self) -> None:
-        """Close the store."""
+        """Stop this process's liveness record and close the store."""
+        self._liveness.stop()
         self.store.close()
 
     # -- internals -----------------------------------------------------------------------
@@ -471,13 +815,18 @@ class Guard:
             session.close()  # rolls back whatever was not committed
         finally:
             if ticket._session_token is not None:
-                try:
-                    _current.reset(ticket._session_token)
-                except ValueError:  # reset from another context (a different thread's hook)
-                    _current.set(None)
+                _reset(_current, ticket._session_token)
                 ticket._session_token = None
 
-    def _emit(self, name: str, ticket: Ticket, duration: bool = False) -> None:
+    def _emit(
+        self,
+        name: str,
+        ticket: Ticket,
+        duration: bool = False,
+        reason: str | None = None,
+        recovery_s: float | None = None,
+        count: int | None = None,
+    ) -> None:
         # Runs several times per delivery: skip the work when nobody would see the event.
         if len(self.sinks) == 1 and not LoggingEvents.wants(name):
             return
@@ -499,6 +848,9 @@ class Guard:
             ),
             "lease_s": policy.lease,
             "keep_for_s": policy.keep_for,
+            "reason": reason,
+            "recovery_s": recovery_s,
+            "count": count,
         }
         self._send(event)
 
@@ -508,6 +860,23 @@ class Guard:
                 sink.emit(event)
             except Exception:  # an event sink must never change a delivery's outcome
                 logger.exception("event sink %r failed", sink)
+
+
+def _after_fork_in_child(ref: weakref.ReferenceType[Guard]) -> None:
+    # The parent's relay thread does not exist here, and it may have held the lock.
+    guard = ref()
+    if guard is not None:
+        guard._relay_lock = threading.Lock()
+        guard._relay_thread = None
+
+
+def _reset(var: contextvars.ContextVar[Any], token: contextvars.Token[Any]) -> None:
+    """Undo a ticket's ``var.set``; from another context (a different thread's hook) its
+    token does not apply, so the variable is cleared there instead."""
+    try:
+        var.reset(token)
+    except ValueError:
+        var.set(None)
 
 
 def _encode(result: Any, ticket: Ticket) -> tuple[str | None, InvalidInput | None]:

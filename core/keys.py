@@ -25,10 +25,15 @@ def make_key(message_id: object, queue: object, identity: str) -> str:
     Raises :class:`InvalidInput` for a missing or empty id, a non-string queue, control
     characters, or a key longer than :data:`~taskonce.stores.base.MAX_KEY_LENGTH`.
     """
-    if not isinstance(message_id, str) or not message_id.strip():
+    if message_id is None or (isinstance(message_id, str) and not message_id.strip()):
         raise InvalidInput(
             f"message id {message_id!r} is missing or empty; a guarded message needs a stable, "
             "non-empty string id (Celery task id / Dramatiq message_id)"
+        )
+    if not isinstance(message_id, str):
+        raise InvalidInput(
+            f"message id must be a string, got {type(message_id).__name__} {message_id!r}; "
+            f"pass str({message_id!r}) if that value is the stable id of this message"
         )
     if not isinstance(queue, str) or not queue.strip():
         raise InvalidInput(

@@ -20,7 +20,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "on_in_progress": ("retry", "skip"),
     "on_store_error": ("fail_closed", "fail_open"),
 }
-_FLAGS = ("store_result", "check_payload", "transactional", "enabled")
+_FLAGS = ("store_result", "check_payload", "transactional", "enabled", "defer_sends")
 _SECONDS = ("lease", "keep_for")
 
 
@@ -44,6 +44,9 @@ class Policy:
     :param transactional: write the mark in the handler's own database transaction (SQL store,
         :func:`taskonce.current_session`). Default False.
     :param enabled: False turns the guard off for this queue/task. Default True.
+    :param defer_sends: capture the messages the handler sends and publish them only after its
+        outcome is recorded, together with it (the hand-off). False publishes them at once, as
+        the framework does unguarded. Default True.
     """
 
     mode: Mode = "eager"
@@ -56,6 +59,7 @@ class Policy:
     check_payload: bool = True
     transactional: bool = False
     enabled: bool = True
+    defer_sends: bool = True
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():

@@ -14,7 +14,8 @@
     @dramatiq.actor(queue_name="payments", idempotency={"mode": "lazy"})
     def charge(order_id): ...
 
-See docs/dramatiq.md.
+What a guarded actor sends (``send``, pipeline steps, ``on_success`` callbacks) is enqueued only
+after its outcome is recorded: see docs/handoff.md. See docs/dramatiq.md.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from taskonce.dramatiq_ext.errors import (
     Rejected,
     StoreDown,
 )
-from taskonce.dramatiq_ext.middleware import IdempotencyMiddleware
+from taskonce.dramatiq_ext.middleware import IdempotencyMiddleware, relay_guard
 from taskonce.dramatiq_ext.options import OPTION
 from taskonce.dramatiq_ext.purge import PeriodicPurge
 
@@ -45,4 +46,5 @@ __all__ = [
     "PeriodicPurge",
     "Rejected",
     "StoreDown",
+    "relay_guard",
 ]

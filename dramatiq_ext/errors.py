@@ -47,8 +47,9 @@ class StoreDown(NotRun):
 
 
 class Rejected(NotRun):
-    """The delivery can never be run safely (payload mismatch, no usable message id): the
-    message was failed, so Dramatiq moves it to the dead-letter queue."""
+    """The delivery can never be run safely (payload mismatch, no usable message id, a
+    configuration error met at run time): the message was failed, so Dramatiq moves it to the
+    dead-letter queue."""
 
 
 class GuardError(MiddlewareError, TaskonceError):

@@ -14,8 +14,13 @@ SKIP                   :class:`~.errors.DuplicateSkipped` — acknowledged, not 
 DEFER                  a delayed copy is enqueued (lease remaining), then
                        :class:`~.errors.InProgressDeferred` — this copy acknowledged
 store down (closed)    a delayed copy is enqueued (backoff), then :class:`~.errors.StoreDown`
+RUN, actor sends       captured (``defer_sends``), as are the next pipeline step and
+                       ``on_success`` callbacks; the outcome is recorded after ``Pipelines``
+                       and ``Callbacks`` ran (by :class:`~.handoff.Finisher`, first in
+                       ``broker.middleware``), then the guard enqueues them
 payload mismatch,      the message is failed, then :class:`~.errors.Rejected` — dead-lettered
-no usable id
+no usable id,
+a ConfigError
 anything unexpected    :class:`~.errors.GuardError` — not run, Dramatiq's failure path
 =====================  ==================================================================
 
@@ -46,6 +51,13 @@ from taskonce.dramatiq_ext.errors import (
     InProgressDeferred,
     Rejected,
     StoreDown,
+)
+from taskonce.dramatiq_ext.handoff import (
+    Finisher,
+    install,
+    place_finisher,
+    sends_after_success,
+    wrap_actor,
 )
 from taskonce.dramatiq_ext.options import ActorPolicies
 from taskonce.dramatiq_ext.order import check_order
@@ -87,6 +99,9 @@ class IdempotencyMiddleware(Middleware):
         unreachable (``fail_closed``) is tried again; doubled, with jitter, per consecutive
         failure. Default 1000.
     :param store_error_max_backoff: the cap of that backoff in milliseconds. Default 60000.
+    :param relay_every: seconds between two sweeps of each worker process's hand-off relay,
+        which enqueues deferred sends left pending by a worker that died after recording an
+        outcome; default 30, ``0`` turns it off.
     """
 
     def __init__(
@@ -95,6 +110,7 @@ class IdempotencyMiddleware(Middleware):
         *,
         store_error_min_backoff: int = 1000,
         store_error_max_backoff: int = 60_000,
+        relay_every: float = 30.0,
     ) -> None:
         if not isinstance(guard, Guard):
             raise ConfigError(
@@ -108,7 +124,21 @@ class IdempotencyMiddleware(Middleware):
                 raise ConfigError(
                     f"IdempotencyMiddleware {name}={value!r} must be a positive number of ms"
                 )
+        if (
+            isinstance(relay_every, bool)
+            or not isinstance(relay_every, (int, float))
+            or not relay_every >= 0
+            or relay_every == float("inf")
+        ):
+            raise ConfigError(
+                f"IdempotencyMiddleware relay_every={relay_every!r} must be a number of seconds "
+                "(0 turns the relay off)"
+            )
         self.guard = guard
+        self.relay_every = float(relay_every)
+        #: successful deliveries whose outcome the finisher records, after Pipelines/Callbacks
+        self.finishing = TicketBook()
+        self.finisher = Finisher(self)
         self.policies = ActorPolicies(guard)
         self.tickets = TicketBook()
         self.redelivery = Redelivery(
@@ -124,9 +154,16 @@ class IdempotencyMiddleware(Middleware):
 
     # -- declaration -----------------------------------------------------------------------
 
+    def attach(self, broker: Broker) -> None:
+        """Capture sends on ``broker``, publish them through it, and put the finisher first."""
+        install(broker, self.guard)
+        place_finisher(broker, self.finisher)
+
     def before_declare_actor(self, broker: Broker, actor: Actor[Any, Any]) -> None:
         """Refuse a bad ``idempotency`` option or a wrong middleware order at declaration."""
         check_order(broker, self)
+        self.attach(broker)
+        wrap_actor(actor)
         self.policies.forget(actor.actor_name)
         self.policies.resolve(actor)
         self._declared_here.add(actor.actor_name)
@@ -137,6 +174,8 @@ class IdempotencyMiddleware(Middleware):
         ``broker.add_middleware`` calls this (and not ``before_declare_actor``) for every actor
         that already exists, so an actor not seen before was declared too early.
         """
+        self.attach(broker)
+        wrap_actor(actor)
         if actor.actor_name not in self._declared_here:
             check_order(broker, self)
             logger.warning(
@@ -150,8 +189,17 @@ class IdempotencyMiddleware(Middleware):
             self.policies.resolve(actor)
 
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
-        """Refuse to start a worker whose middleware order is wrong."""
+        """Refuse to start a worker whose middleware order is wrong or one of whose actors has
+        an ``idempotency`` option no policy can take (checked again here: an actor declared
+        before the middleware was added is resolved only now)."""
         check_order(broker, self)
+        for actor in list(broker.actors.values()):
+            self.policies.resolve(actor)
+        self.attach(broker)
+
+    def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
+        """Start this process's hand-off relay (every ``relay_every`` seconds)."""
+        self.guard.start_relay(self.relay_every)
 
     # -- processing ------------------------------------------------------------------------
 
@@ -175,7 +223,9 @@ class IdempotencyMiddleware(Middleware):
             ticket = self.guard.begin(delivery, message.args, message.kwargs)
         except StoreUnavailable as exc:  # on_store_error="fail_closed"
             self._put_back_after_store_error(broker, message, exc)
-        except (PayloadMismatch, InvalidInput) as exc:
+        except (PayloadMismatch, InvalidInput, ConfigError) as exc:
+            # ConfigError: a configuration that slipped past the boot checks can never run
+            # this message; retrying it would only postpone the dead letter.
             self._reject(message, exc)
         except Exception as exc:
             logger.exception("the guard could not decide on message %s", message.message_id)
@@ -225,7 +275,9 @@ class IdempotencyMiddleware(Middleware):
         raise StoreDown(str(exc)) from exc
 
     def _reject(self, message: MessageProxy, exc: Exception) -> NoReturn:
-        logger.error("message %s dead-lettered, not run: %s", message.message_id, exc)
+        reason = "configuration error: " if isinstance(exc, ConfigError) else ""
+        # %r: an empty or missing id shows as '' or None, never as a blank.
+        logger.error("message %r dead-lettered, not run: %s%s", message.message_id, reason, exc)
         keep_first_result(message)
         message.fail()
         raise Rejected(str(exc)) from exc
@@ -243,6 +295,28 @@ class IdempotencyMiddleware(Middleware):
         ticket = self.tickets.take(message)
         if ticket is None:
             return
+        if (
+            exception is None
+            and not message.failed
+            and ticket.capture is not None
+            and sends_after_success(broker, message)
+            and broker.middleware[:1] == [self.finisher]
+        ):
+            # Pipelines' and Callbacks' after_* hooks run after this one: their sends belong to
+            # this outcome, so the finisher (last to run) records it.
+            self.finishing.hold(message, ticket)
+            return
+        self.settle(broker, message, ticket, result, exception)
+
+    def settle(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        ticket: Ticket,
+        result: Any,
+        exception: BaseException | None,
+    ) -> None:
+        """Finish a successful delivery; fail one that raised or that a middleware failed."""
         if exception is not None or message.failed:
             # message.failed without an exception: a middleware after this one failed it, so
             # the actor did not run. Releasing is safe either way: a redelivery runs again.
@@ -303,3 +377,17 @@ def _redelivered(message: MessageProxy) -> bool | None:
     # __getattr__ to the Message and raise (and catch) an AttributeError on every delivery.
     flag = vars(message).get("redelivered")
     return flag if isinstance(flag, bool) else None
+
+
+def relay_guard(broker: Broker) -> Guard:
+    """The guard of ``broker``'s :class:`IdempotencyMiddleware` with its publisher registered,
+    for ``taskonce relay --dramatiq-broker``: it enqueues the deferred sends a worker left
+    pending, no worker needed."""
+    for middleware in broker.middleware:
+        if isinstance(middleware, IdempotencyMiddleware):
+            middleware.attach(broker)
+            return middleware.guard
+    raise ConfigError(
+        f"{broker!r} has no IdempotencyMiddleware: add it with "
+        "broker.add_middleware(IdempotencyMiddleware(guard))"
+    )

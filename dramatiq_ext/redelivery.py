@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 from dramatiq.common import compute_backoff, q_name
 
+from taskonce.handoff import send_now
+
 if TYPE_CHECKING:
     from dramatiq.broker import Broker, MessageProxy
 
@@ -60,4 +62,5 @@ class Redelivery:
         copy = message.copy(queue_name=q_name(message.queue_name), options=options)
         if STORE_ERRORS_OPTION not in options:
             copy.options.pop(STORE_ERRORS_OPTION, None)
-        broker.enqueue(copy, delay=delay)
+        with send_now():  # the same message again, never a deferred send of another handler
+            broker.enqueue(copy, delay=delay)

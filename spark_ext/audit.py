@@ -73,7 +73,7 @@ _STEPS = (
 class AuditResult:
     """What :func:`audit` found.
 
-    :ivar report: the report in DESIGN.md's exact shape (``report.json``).
+    :ivar report: the report in its public shape (docs/audit.md) (``report.json``).
     :ivar details: per scope, what the public shape leaves out: ``events``, ``duplicates``,
         ``duplicate_rate``, ``leaked_runs``, ``keep_for_in_force_s``, ``buckets`` (label →
         count), ``first_ts``/``last_ts``; keyed ``"overall"``, ``"queue:<name>"``,
@@ -368,6 +368,8 @@ def audit(
             bucket_columns.append(F.sum(_flag(condition)).alias(f"bucket {label}"))
             lower = upper
         keep_for_column = F.col("keep_for_s")
+        # takeovers of a dead owner: seconds from its last sign of life to the takeover
+        recovery = F.when(F.col("event") == "lease_taken_over", F.col("recovery_s"))
         counted = _scoped(
             classified,
             F.sum("is_valid").alias("events"),
@@ -380,6 +382,8 @@ def audit(
             F.sum("is_failure").alias("failures"),
             F.sum(_flag(F.col("event") == "released")).alias("releases"),
             F.sum(_flag(F.col("event") == "lease_taken_over")).alias("takeovers"),
+            F.percentile_approx(recovery, [0.5, 0.95], APPROX_ACCURACY).alias("recovery_p"),
+            F.max(recovery).alias("recovery_max_s"),
             F.sum(F.coalesce(F.col("near_miss"), F.lit(0))).alias("near_misses"),
             F.count("gap_ms").alias("gaps"),
             F.max("gap_ms").alias("gap_max_ms"),
@@ -613,6 +617,8 @@ def audit(
             .collect()
         ]
 
+        handoff = _handoff_figures(classified)
+
         # samples for the readable report
         leaks_sample = [
             _plain(row.asDict())
@@ -626,6 +632,7 @@ def audit(
         report, details = _build_report(
             scopes, total_events, bound_values, safety_factor, what_if, now
         )
+        report["handoff"] = handoff
         malformed = int(overall.get("malformed") or 0)
         if malformed:
             logger.warning("dropped %d malformed event row(s) (no event name or bad ts)", malformed)
@@ -692,6 +699,63 @@ def audit(
         spark.conf.set("spark.sql.shuffle.partitions", previous_partitions or "200")
 
 
+#: The hand-off's figures in ``report.json`` (``"handoff"``), in this order.
+HANDOFF_FIELDS = (
+    "records_deferred",
+    "records_dispatched",
+    "stranded",
+    "discarded",
+    "dispatch_lag_p50_s",
+    "dispatch_lag_p99_s",
+    "dispatch_lag_max_s",
+)
+
+
+def _handoff_figures(classified: DataFrame) -> dict[str, Any]:
+    """The hand-off: records whose sends were stored with their outcome (``sends_deferred``),
+    how long until they were published (``sends_dispatched`` by the worker or a relay,
+    ``sends_redispatched`` by a redelivery) — the dispatch lag, from the outcome to the first
+    publication after it — and those still unpublished at the log's end (stranded)."""
+    from pyspark.sql import functions as F
+
+    valid = (F.col("is_valid") == 1) & F.col("key").isNotNull()
+    deferred = (
+        classified.filter(valid & (F.col("event") == "sends_deferred"))
+        .groupBy("key")
+        .agg(F.min("t_ms").alias("deferred_ms"))
+    )
+    sent = classified.filter(
+        valid & _in("event", ("sends_dispatched", "sends_redispatched"))
+    ).select(F.col("key").alias("sent_key"), F.col("t_ms").alias("sent_ms"))
+    lags = (
+        deferred.join(
+            sent,
+            (deferred["key"] == sent["sent_key"]) & (sent["sent_ms"] >= deferred["deferred_ms"]),
+            "left",
+        )
+        .groupBy("key", "deferred_ms")
+        .agg(F.min("sent_ms").alias("sent_ms"))
+        .withColumn("lag_ms", F.col("sent_ms") - F.col("deferred_ms"))
+    )
+    row = lags.agg(
+        F.count(F.lit(1)).alias("records"),
+        F.count("sent_ms").alias("dispatched"),
+        F.percentile_approx("lag_ms", [0.5, 0.99], APPROX_ACCURACY).alias("p"),
+        F.max("lag_ms").alias("max_ms"),
+    ).collect()[0]
+    discarded = classified.filter(valid & (F.col("event") == "sends_discarded")).count()
+    p50, p99 = (row["p"] or [None, None]) if row["dispatched"] else (None, None)
+    return {
+        "records_deferred": int(row["records"]),
+        "records_dispatched": int(row["dispatched"]),
+        "stranded": int(row["records"]) - int(row["dispatched"]),
+        "discarded": int(discarded),
+        "dispatch_lag_p50_s": _seconds(p50),
+        "dispatch_lag_p99_s": _seconds(p99),
+        "dispatch_lag_max_s": _seconds(row["max_ms"]),
+    }
+
+
 def _shuffle_partitions(spark: SparkSession, raw: DataFrame, has_jdbc: bool) -> int:
     """About one shuffle partition per 64 MB of (uncompressed) input, at least the default
     parallelism: Spark's default of 200 makes a small log take minutes on a laptop."""
@@ -730,7 +794,7 @@ def _build_report(
     what_if: list[dict[str, Any]],
     now: datetime.datetime | None,
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """The public report (exact DESIGN.md shape) and the per-scope details beside it."""
+    """The public report (its exact shape is in docs/audit.md) and the per-scope details."""
     details: dict[str, dict[str, Any]] = {}
     metrics: dict[str, dict[str, Any]] = {}
     for scope_key, values in scopes.items():
@@ -771,6 +835,7 @@ def _build_report(
             "buckets": {label: int(values.get(f"bucket {label}") or 0) for label, _ in GAP_BUCKETS},
             "first_ts": _iso(values.get("first_ms")),
             "last_ts": _iso(values.get("last_ms")),
+            **_recovery(values),
         }
     generated = (now or datetime.datetime.now(datetime.timezone.utc)).astimezone(
         datetime.timezone.utc
@@ -789,6 +854,17 @@ def _build_report(
         "what_if": [{field: row[field] for field in WHAT_IF_FIELDS} for row in what_if],
     }
     return report, details
+
+
+def _recovery(values: dict[str, Any]) -> dict[str, float | None]:
+    """Recovery time percentiles of a scope's takeovers of dead owners (None without any)."""
+    p = values.get("recovery_p") or [None, None]
+    top = values.get("recovery_max_s")
+    return {
+        "recovery_p50_s": None if p[0] is None else float(p[0]),
+        "recovery_p95_s": None if p[1] is None else float(p[1]),
+        "recovery_max_s": None if top is None else float(top),
+    }
 
 
 def _number(value: float) -> int | float:

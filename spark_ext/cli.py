@@ -14,7 +14,12 @@ import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
 from taskonce.errors import ConfigError
-from taskonce.spark_ext.inputs import DEBIAN_POSTGRESQL_JAR, JdbcSource, jdbc_url
+from taskonce.spark_ext.inputs import (
+    DEBIAN_POSTGRESQL_JAR,
+    JdbcSource,
+    check_local_paths,
+    jdbc_url,
+)
 from taskonce.spark_ext.semantics import (
     BYTES_PER_KEY,
     DEFAULT_GRACE_S,
@@ -172,6 +177,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress line on standard error"
     )
+    # The audit reads event logs, never a store: keep the store options it inherits from the
+    # commands' common parent out of its --help. (Those action objects are shared with the
+    # other commands, so they are filtered at formatting, not changed.)
+    parser.formatter_class = _NoStoreOptionsFormatter
+
+
+#: Options of the ``taskonce`` commands that address a store; ``audit`` has no use for them.
+STORE_OPTIONS = frozenset({"store", "prefix", "table"})
+
+
+class _NoStoreOptionsFormatter(argparse.HelpFormatter):
+    """Help without the options named in :data:`STORE_OPTIONS`."""
+
+    def add_usage(self, usage: Any, actions: Any, groups: Any, prefix: Any = None) -> None:
+        kept = [action for action in actions if action.dest not in STORE_OPTIONS]
+        super().add_usage(usage, kept, groups, prefix)
+
+    def add_arguments(self, actions: Any) -> None:
+        super().add_arguments([action for action in actions if action.dest not in STORE_OPTIONS])
+
+
+#: Spark's own log (log4j) goes to this file in the output folder unless ``--verbose``.
+SPARK_LOG = "spark.log"
+
+_LOG4J2_TO_FILE = """\
+status = error
+appender.file.type = File
+appender.file.name = file
+appender.file.fileName = {path}
+appender.file.append = false
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = %d{{yyyy-MM-dd HH:mm:ss.SSS}} %p %c: %m%n%ex
+rootLogger.level = info
+rootLogger.appenderRef.file.ref = file
+logger.gateway.name = org.apache.spark.api.python.PythonGatewayServer
+logger.gateway.level = info
+"""
+# The gateway's logger at the root's level keeps Spark from printing "Setting default log level"
+# on the console (it does for pyspark's shell-like gateway unless that logger is configured).
 
 
 def build_session(
@@ -180,9 +224,11 @@ def build_session(
     driver_memory: str = "2g",
     conf: dict[str, str] | None = None,
     app_name: str = "taskonce-audit",
+    log_config: str | None = None,
 ) -> SparkSession:
     """A SparkSession for the audit: UTC session time zone, no console progress bar (the audit
-    draws its own), ``jars`` on the classpath (JDBC drivers).
+    draws its own), ``jars`` on the classpath (JDBC drivers), and with ``log_config`` (a log4j2
+    configuration file) the driver's logging configured by it from the JVM's start.
 
     With a ``local`` master and no ``PYSPARK_PYTHON`` in the environment, it sets
     ``PYSPARK_PYTHON`` to this interpreter, so Python work on the executors (``send_rows``)
@@ -202,9 +248,38 @@ def build_session(
     )
     if jars:
         builder = builder.config("spark.jars", ",".join(jars))
-    for key, value in (conf or {}).items():
+    conf = dict(conf or {})
+    if log_config is not None:
+        key = "spark.driver.extraJavaOptions"
+        given = conf.get(key, "")
+        if "log4j2.configurationFile" not in given:  # a user's own log4j setup wins
+            conf[key] = f"-Dlog4j2.configurationFile={log_config} {given}".strip()
+    for key, value in conf.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
+
+
+def log_to_file(folder: str) -> str:
+    """Write a log4j2 configuration that sends all of Spark's driver log to
+    ``folder/spark.log`` (nothing to the console); returns the configuration file's path,
+    which lives in a temporary file the caller removes."""
+    import tempfile
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.abspath(os.path.join(folder, SPARK_LOG))
+    fd, config = tempfile.mkstemp(prefix="taskonce-log4j2-", suffix=".properties")
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(_LOG4J2_TO_FILE.format(path=path.replace("\\", "/")))
+    return config
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Refuse what can be judged without Spark, before its JVM starts: event paths that match
+    nothing, an output folder that is a file. Raises :class:`ConfigError` or
+    :class:`~taskonce.spark_ext.inputs.AuditInputError`."""
+    check_local_paths(args.events)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ConfigError(f"--out {args.out!r} is a file; give a folder")
 
 
 def _jdbc(args: argparse.Namespace) -> tuple[JdbcSource | None, list[str]]:
@@ -248,13 +323,18 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     for name, seconds in args.broker_bound:
         bounds[name] = max(seconds, bounds.get(name, 0.0))
     sizes = dict(args.bytes_per_key) or None
+    check_inputs(args)
     from pyspark.sql import SparkSession
 
     # inside a running Spark application (a notebook, a test) use its session and keep it
     owned = SparkSession.getActiveSession() is None
-    spark = build_session(args.master, jars, args.driver_memory, conf)
-    if owned and not getattr(args, "verbose", False):
-        spark.sparkContext.setLogLevel("ERROR")
+    verbose = bool(getattr(args, "verbose", False))
+    log_config = log_to_file(args.out) if owned and not verbose else None
+    try:
+        spark = build_session(args.master, jars, args.driver_memory, conf, log_config=log_config)
+    finally:
+        if log_config is not None:
+            os.unlink(log_config)  # log4j2 read it when the JVM started
     progress = None if args.no_progress else ConsoleProgress(spark.sparkContext)
     try:
         result = audit(
@@ -312,4 +392,6 @@ def summary(result: Any, folder: str) -> str:
         )
     lines += [f"{problem}" for problem in result.problems()]
     lines.append(f"report: {os.path.join(folder, 'report.html')} (and report.json, report.md)")
+    if os.path.exists(os.path.join(folder, SPARK_LOG)):
+        lines.append(f"Spark's log: {os.path.join(folder, SPARK_LOG)} (--verbose shows it here)")
     return "\n".join(lines)

@@ -1,9 +1,9 @@
 """Reading event logs into one Spark DataFrame: JSONL (plain or gzip), Parquet, or a SQL table
 through JDBC.
 
-Whatever the source, the result has the public event fields of DESIGN.md ("Events") with fixed
-types, plus ``t_ms`` (the event time in epoch milliseconds, UTC) and ``seq`` (the row's order in
-its source, used only to order events of one key that carry the same millisecond).
+Whatever the source, the result has the public event fields (docs/how-it-works.md, "Events")
+with fixed types, plus ``t_ms`` (the event time in epoch milliseconds, UTC) and ``seq`` (the
+row's order in its source, used only to order events of one key that carry the same millisecond).
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ FIELD_TYPES: dict[str, str] = {
     "duration_ms": "double",
     "lease_s": "double",
     "keep_for_s": "double",
+    "reason": "string",
+    "recovery_s": "double",
+    "count": "long",
 }
 assert tuple(FIELD_TYPES) == FIELDS, "FIELD_TYPES must follow taskonce.events.FIELDS"
 
@@ -149,6 +152,30 @@ def detect_format(path: str) -> str:
         found = glob.glob(os.path.join(local, "**", "*.parquet"), recursive=True)
         return "parquet" if found else "json"
     return "json"
+
+
+def check_local_paths(paths: Sequence[str]) -> None:
+    """Raise :class:`AuditInputError` naming every local event path that matches nothing.
+
+    Cheap, and done before Spark starts (its JVM takes seconds to report the same). Paths on
+    another file system (``hdfs://``, ``s3a://`` …) and brace globs (``{a,b}``, which only
+    Spark expands) are left to Spark.
+    """
+    missing: list[str] = []
+    for path in paths:
+        local = path[len("file://") :] if path.startswith("file://") else path
+        if "://" in local or "{" in local:
+            continue
+        local = os.path.expanduser(local)
+        found = glob.glob(local) if _GLOB.search(local) else os.path.exists(local)
+        if not found:
+            missing.append(path)
+    if missing:
+        raise AuditInputError(
+            "no event log at "
+            + ", ".join(repr(path) for path in missing)
+            + " (no such file or folder, or a glob that matches nothing)"
+        )
 
 
 def read_events(

@@ -234,7 +234,7 @@ def _scope_table(
 def _cell(field: str, metrics: dict[str, Any], detail: dict[str, Any]) -> str:
     if field == "duplicate_rate":
         return f"{100 * detail['duplicate_rate']:.2f}%"
-    if field == "keep_for_in_force_s":
+    if field == "keep_for_in_force_s" or field.startswith("recovery_"):
         value = detail.get(field)
         return "—" if value is None else f"{value:g}"
     if field in detail and field not in metrics:
@@ -257,6 +257,12 @@ _SUMMARY_COLUMNS = (
     ("near_misses", "near misses"),
     ("stuck_claims", "stuck"),
 )
+#: Takeovers of dead owners: from the owner's last sign of life to the takeover.
+_RECOVERY_COLUMNS = (
+    ("recovery_p50_s", "take-over recovery p50 s"),
+    ("recovery_p95_s", "take-over recovery p95 s"),
+    ("recovery_max_s", "take-over recovery max s"),
+)
 _GAP_COLUMNS = (
     ("gap_p50_s", "p50 s"),
     ("gap_p95_s", "p95 s"),
@@ -278,6 +284,7 @@ def _sections(result: AuditResult) -> list[tuple[str, list[str], list[list[str]]
             "Overall",
             ["figure", "value"],
             [[title, _cell(field, overall, detail)] for field, title in _SUMMARY_COLUMNS]
+            + [[title, _cell(field, overall, detail)] for field, title in _RECOVERY_COLUMNS]
             + [[title, _cell(field, overall, detail)] for field, title in _GAP_COLUMNS],
             "",
         )
@@ -321,6 +328,26 @@ def _sections(result: AuditResult) -> list[tuple[str, list[str], list[list[str]]
                 "is within the window (in-flight duplicates always are), leaked otherwise; "
                 "concurrent duplicates leak under any window. Store keys = new keys per second "
                 "× window.",
+            )
+        )
+    handoff = result.report.get("handoff") or {}
+    if handoff.get("records_deferred") or handoff.get("discarded"):
+        sections.append(
+            (
+                "Hand-off (deferred sends)",
+                ["figure", "value"],
+                [
+                    ["records whose sends were deferred", f"{handoff['records_deferred']:,}"],
+                    ["published", f"{handoff['records_dispatched']:,}"],
+                    ["stranded (unpublished at the log's end)", f"{handoff['stranded']:,}"],
+                    ["runs whose sends were discarded", f"{handoff['discarded']:,}"],
+                    ["dispatch lag p50 s", f"{handoff['dispatch_lag_p50_s']:g}"],
+                    ["dispatch lag p99 s", f"{handoff['dispatch_lag_p99_s']:g}"],
+                    ["dispatch lag max s", f"{handoff['dispatch_lag_max_s']:g}"],
+                ],
+                "Dispatch lag: from the outcome recorded with its sends to their first "
+                "publication (by the worker, a redelivery or the relay). Stranded sends wait "
+                "for a relay (`taskonce relay`).",
             )
         )
     sections.append(

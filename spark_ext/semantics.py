@@ -33,7 +33,7 @@ ANCHOR_EVENTS = (*RUN_EVENTS, "completed")
 #: A delivery or run that did not end in success or a deliberate skip.
 FAILURE_EVENTS = ("released", "lease_lost", "store_error", "payload_mismatch")
 
-#: The report's per-scope fields, in DESIGN.md's order ("Audit report").
+#: The report's per-scope fields, in the public report's order (docs/audit.md).
 METRIC_FIELDS = (
     "deliveries",
     "distinct_keys",
@@ -53,7 +53,7 @@ METRIC_FIELDS = (
     "gap_max_s",
     "recommended_keep_for_s",
 )
-#: The report's top-level fields, in DESIGN.md's order.
+#: The report's top-level fields, in the public report's order.
 REPORT_FIELDS = ("generated_at", "events", "keep_for_s", "overall", "queues", "tasks", "what_if")
 #: The fields of one what-if row.
 WHAT_IF_FIELDS = ("keep_for_s", "suppressed", "leaked", "store_keys")

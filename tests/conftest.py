@@ -18,3 +18,15 @@ def store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Store]:
         yield s
     finally:
         drop_store(s)
+
+
+@pytest.fixture(autouse=True)
+def no_capture_left_over() -> Iterator[None]:
+    """Each test starts outside any hand-off capture: a test that begins a guarded delivery in
+    the main thread and never finishes it (to look at the ticket) must not capture the sends of
+    the tests after it."""
+    from taskonce import handoff
+
+    token = handoff._capture.set(None)
+    yield
+    handoff._capture.reset(token)

@@ -90,10 +90,12 @@ def drop_store(store: Store) -> None:
         client = store._client  # type: ignore[attr-defined]
         prefix = store._prefix  # type: ignore[attr-defined]
         keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        keys.append(f"{prefix}!sends")  # the hand-off's index of records with pending sends
         if keys:
             client.delete(*keys)
     elif store.__class__.__name__ == "SQLStore":
         store._table.drop(store._engine, checkfirst=True)  # type: ignore[attr-defined]
+        store._live_table.drop(store._engine, checkfirst=True)  # type: ignore[attr-defined]
     store.close()
 
 
@@ -143,3 +145,10 @@ class RedisServer:
             self.process.kill()
             self.process.wait(timeout=10)
         self.process = None
+
+
+def event_time(event: dict[str, Any]) -> float:
+    """A taskonce event's ``ts`` as seconds since the epoch."""
+    import datetime
+
+    return datetime.datetime.fromisoformat(event["ts"].replace("Z", "+00:00")).timestamp()

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
+import re
+import sqlite3
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 import taskonce
-from taskonce.cli import main
-from tests.helpers import wait_for
+from taskonce.cli import duration_in_words, main
+from tests.helpers import POSTGRES_URL, REDIS_URL, drop_store, require_service, wait_for
 
 
 def run(*argv: str) -> tuple[int, str]:
@@ -52,8 +57,54 @@ def test_stats_inspect_release_purge_on_sqlite(tmp_path: Path) -> None:
 
 def test_store_comes_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TASKONCE_STORE", f"sqlite:///{tmp_path}/env.db")
+    assert run("init-db")[0] == 0
     code, text = run("stats")
     assert code == 0 and f"{tmp_path}/env.db" in text
+
+
+def test_read_only_commands_never_create_the_default_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TASKONCE_STORE", raising=False)
+    for argv in (["stats"], ["inspect", "payments:m1"], ["release", "payments:m1"], ["purge"]):
+        code, text = run(*argv)
+        err = capsys.readouterr().err
+        assert code == 2 and text == ""
+        assert "no --store or TASKONCE_STORE given; using sqlite:///taskonce.db" in err
+        assert f"no store at sqlite:///taskonce.db: {tmp_path}/taskonce.db does not exist" in err
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_default_store_is_named_and_read_without_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TASKONCE_STORE", raising=False)
+    assert run("init-db")[0] == 0
+    store = taskonce.open_store(f"sqlite:///{tmp_path}/taskonce.db")
+    taskonce.Guard(store).run("m1", "payments", lambda: None)
+    store.close()
+    capsys.readouterr()
+    before = (tmp_path / "taskonce.db").read_bytes()
+    code, text = run("stats", "--json")
+    assert code == 0 and json.loads(text)["completed"] == 1
+    assert f"using sqlite:///taskonce.db ({tmp_path}/taskonce.db)" in capsys.readouterr().err
+    assert run("inspect", "payments:m1")[0] == 0
+    assert (tmp_path / "taskonce.db").read_bytes() == before
+    capsys.readouterr()
+    # with a store named, nothing is said on stderr
+    assert run("stats", "--store", f"sqlite:///{tmp_path}/taskonce.db")[0] == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_read_only_commands_do_not_create_a_table(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/other.db"
+    sqlite3.connect(tmp_path / "other.db").close()  # a database without taskonce's table
+    code, _ = run("stats", "--store", url)
+    assert code == 2
+    with sqlite3.connect(tmp_path / "other.db") as connection:
+        assert connection.execute("SELECT name FROM sqlite_master").fetchall() == []
 
 
 def test_errors_are_one_clear_line_without_secrets(capsys: pytest.CaptureFixture[str]) -> None:
@@ -68,15 +119,175 @@ def test_errors_are_one_clear_line_without_secrets(capsys: pytest.CaptureFixture
 
 def test_installed_package_exposes_taskonce_not_core(tmp_path: Path) -> None:
     probe = (
-        "import importlib.util, taskonce, taskonce.celery_ext, taskonce.dramatiq_ext, "
-        "taskonce.spark_ext; print(importlib.util.find_spec('core') is None)"
+        "import importlib.util as u, taskonce, taskonce.celery_ext, taskonce.dramatiq_ext, "
+        "taskonce.spark_ext, taskonce.demo.celery_demo, taskonce.demo.dramatiq_demo; "
+        "print([u.find_spec(m) is None for m in ('core', 'demo')], "
+        "[u.find_spec(f'taskonce.{e}.{m}') is None for e in ('celery_ext', 'dramatiq_ext') "
+        "for m in ('demo', 'demo_app')])"
     )
     result = subprocess.run(
         [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True
     )
-    assert result.stdout.strip() == "True"
+    # no top-level core or demo module; the demos live in taskonce.demo, not in the adapters
+    assert result.stdout.strip() == "[True, True] [True, True, True, True]"
     assert (Path(taskonce.__file__).parent / "py.typed").exists()
     script = Path(sys.executable).parent / "taskonce"
     help_text = subprocess.run([str(script), "--help"], capture_output=True, text=True, check=True)
     for command in ("demo", "stats", "inspect", "release", "purge", "init-db"):
         assert command in help_text.stdout
+
+
+# -- namespaces, queues, times (--prefix, --table, --queue, --utc) -------------------------------
+
+
+def _fill(url: str, **options: str) -> None:
+    """payments: one eager completion and one lazy mark; mail:box: one lazy mark and a claim."""
+    store = taskonce.open_store(url, **options)
+    lazy = taskonce.Policy(mode="lazy")
+    taskonce.Guard(store).run("m1", "payments", lambda: 5)
+    taskonce.Guard(store, default=lazy).run("m2", "payments", lambda: None)
+    taskonce.Guard(store, default=lazy).run("m3", "mail:box", lambda: None)
+    store.claim("mail%3Abox:m4", "worker-1", 300, 60, None)
+    store.close()
+
+
+def test_stats_per_queue_with_marked_apart_from_completed(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/q.db"
+    _fill(url, table="jobs")
+    code, text = run("stats", "--store", url, "--table", "jobs")
+    assert code == 0
+    lines = text.splitlines()
+    assert lines[0] == f"SQLStore {url} (table jobs)"
+    assert lines[1].split() == ["queue", "keys", "claimed", "completed", "marked", "unsent"]
+    assert [line.split() for line in lines[2:5]] == [
+        ["mail:box", "2", "1", "0", "1", "0"],
+        ["payments", "2", "0", "1", "1", "0"],
+        ["all", "4", "1", "1", "2", "0"],
+    ]
+    code, text = run("stats", "--store", url, "--table", "jobs", "--json")
+    data = json.loads(text)
+    assert (data["keys"], data["in_progress"], data["completed"], data["marked"]) == (4, 1, 1, 2)
+    assert data["queues"]["payments"] == {
+        "keys": 2,
+        "in_progress": 0,
+        "completed": 1,
+        "marked": 1,
+        "sends_pending": 0,
+    }
+    code, text = run("stats", "--store", url, "--table", "jobs", "--queue", "mail:box", "--json")
+    data = json.loads(text)
+    assert data["queue"] == "mail:box" and list(data["queues"]) == ["mail:box"]
+    assert (data["keys"], data["in_progress"], data["marked"]) == (2, 1, 1)
+    # the default table is another store: nothing there
+    assert run("stats", "--store", url)[0] == 2
+
+
+def test_inspect_and_release_a_message_id_on_a_queue(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/q.db"
+    _fill(url, table="jobs")
+    code, text = run("inspect", "m4", "--queue", "mail:box", "--store", url, "--table", "jobs")
+    assert code == 0
+    assert "key          mail%3Abox:m4" in text and "state        claimed" in text
+    assert "queue        mail:box" in text and "owner        worker-1" in text
+    for key, state in (("m1", "completed"), ("m2", "marked")):
+        args = ("inspect", key, "--queue", "payments", "--store", url, "--table", "jobs")
+        assert f"state        {state}\n" in run(*args)[1]
+        assert json.loads(run(*args, "--json")[1])["state"] == state
+    code, text = run("release", "m1", "--queue", "payments", "--store", url, "--table", "jobs")
+    assert code == 0 and text == "released 'payments:m1'\n"
+    assert run("inspect", "payments:m1", "--store", url, "--table", "jobs")[0] == 1
+
+
+def test_times_are_iso_8601_local_or_utc_and_durations_in_words(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"sqlite:///{tmp_path}/q.db"
+    _fill(url)
+    monkeypatch.setenv("TZ", "Asia/Kolkata")
+    time.tzset()
+    try:
+        text = run("inspect", "mail%3Abox:m4", "--store", url)[1]
+        local = {line[:12].strip(): line[13:] for line in text.splitlines()}
+        utc = run("inspect", "mail%3Abox:m4", "--store", url, "--utc")[1]
+        raw = json.loads(run("inspect", "mail%3Abox:m4", "--store", url, "--json")[1])
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+    created = datetime.datetime.fromisoformat(local["created"])
+    assert local["created"].endswith("+05:30") and local["kept until"].endswith("+05:30")
+    assert created.timestamp() == pytest.approx(raw["created_at"], abs=1)
+    assert re.search(r"^created\s+\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00$", utc, re.M)
+    assert re.fullmatch(r"4 min \d\d? s|5 min", local["lease left"])
+    # --json keeps the raw numbers: seconds since the epoch and seconds
+    assert isinstance(raw["created_at"], float) and 290 < raw["lease_remaining"] <= 300
+
+
+@pytest.mark.parametrize(
+    ("seconds", "words"),
+    [
+        (252, "4 min 12 s"),
+        (0.85, "850 ms"),
+        (0, "0 ms"),
+        (59.6, "1 min"),
+        (3605, "1 h 5 s"),
+        (6 * 86400 + 23 * 3600 + 59, "6 d 23 h"),
+    ],
+)
+def test_durations_in_words(seconds: float, words: str) -> None:
+    assert duration_in_words(seconds) == words
+
+
+def test_prefix_selects_the_redis_namespace() -> None:
+    require_service("redis")
+    prefix = f"cli{uuid.uuid4().hex[:8]}"
+    _fill(REDIS_URL, prefix=prefix)
+    try:
+        code, text = run("stats", "--store", REDIS_URL, "--prefix", prefix, "--json")
+        data = json.loads(text)
+        assert code == 0 and (data["keys"], data["completed"], data["marked"]) == (4, 1, 2)
+        assert data["store"].endswith(f"prefix={prefix}")
+        code, text = run(
+            "inspect", "m2", "--queue", "payments", "--store", REDIS_URL, "--prefix", prefix
+        )
+        assert code == 0 and "state        marked" in text
+        assert run("release", "payments:m2", "--store", REDIS_URL, "--prefix", prefix)[0] == 0
+        assert run("inspect", "payments:m2", "--store", REDIS_URL, "--prefix", prefix)[0] == 1
+    finally:
+        drop_store(taskonce.open_store(REDIS_URL, prefix=prefix))
+
+
+def test_table_selects_the_sql_table_on_postgresql() -> None:
+    require_service("postgresql")
+    table = f"cli_{uuid.uuid4().hex[:8]}"
+    assert run("init-db", "--store", POSTGRES_URL, "--table", table)[0] == 0
+    try:
+        _fill(POSTGRES_URL, table=table)
+        code, text = run("stats", "--store", POSTGRES_URL, "--table", table, "--queue", "payments")
+        assert code == 0 and text.splitlines()[2].split() == ["payments", "2", "0", "1", "1", "0"]
+    finally:
+        drop_store(taskonce.open_store(POSTGRES_URL, table=table))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["stats", "--store", "sqlite:///x.db", "--prefix", "p"], "--prefix applies to a Redis"),
+        (
+            ["stats", "--store", "redis://127.0.0.1:1/0", "--table", "t"],
+            "--table applies to an SQL",
+        ),
+        (["purge", "--store", "memory://", "--queue", "q"], "purge takes no --queue: it deletes"),
+        (["init-db", "--store", "sqlite:///x.db", "--queue", "q"], "init-db takes no --queue"),
+    ],
+)
+def test_options_that_do_not_apply_are_refused(
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert run(*argv)[0] == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -21,6 +21,7 @@ from taskonce.errors import (
 from taskonce.events import FIELDS, read_jsonl
 from taskonce.keys import fingerprint, make_key
 from taskonce.stores import MemoryStore
+from taskonce.worker import LIVENESS_WINDOW
 
 
 class Clock:
@@ -104,13 +105,30 @@ def test_eager_failure_releases_so_the_retry_runs(clock: Clock, sink: Sink) -> N
 
 
 def test_in_progress_duplicate_is_deferred_by_the_remaining_lease(clock: Clock, sink: Sink) -> None:
-    guard = make_guard(clock, sink, lease=60)
+    guard = make_guard(clock, sink, lease=10)
     running = guard.begin(Delivery("m1", "q"))
     assert running.decision is Decision.RUN
-    clock.now += 20
+    clock.now += 4
     with pytest.raises(InProgressElsewhere) as info:
         guard.execute(Delivery("m1", "q"), Counter())
-    assert info.value.retry_after == pytest.approx(40)
+    assert info.value.retry_after == pytest.approx(6)  # the lease ends before the liveness
+    assert "in_progress_deferred" in sink.names()
+    guard.finish(running)
+    assert guard.execute(Delivery("m1", "q"), Counter()).status == "skipped"
+
+
+def test_in_progress_duplicate_comes_back_when_the_owners_liveness_would_lapse(
+    clock: Clock, sink: Sink
+) -> None:
+    """A long lease does not make a duplicate wait for it: it is delivered again just after
+    the owner's liveness record would lapse, to find out whether the owner died meanwhile."""
+    guard = make_guard(clock, sink, lease=300)
+    running = guard.begin(Delivery("m1", "q"))
+    assert running.decision is Decision.RUN
+    clock.now += 5
+    with pytest.raises(InProgressElsewhere) as info:
+        guard.execute(Delivery("m1", "q"), Counter())
+    assert info.value.retry_after == pytest.approx(LIVENESS_WINDOW - 5 + 0.5)
     assert "in_progress_deferred" in sink.names()
     guard.finish(running)
     assert guard.execute(Delivery("m1", "q"), Counter()).status == "skipped"
@@ -251,13 +269,38 @@ def test_fingerprint_is_canonical() -> None:
 # -- bad input: clear errors, nothing lost -------------------------------------------------
 
 
-@pytest.mark.parametrize("message_id", [None, "", "   ", 42])
+@pytest.mark.parametrize("message_id", [None, "", "   "])
 def test_missing_or_empty_message_id_is_refused(clock: Clock, sink: Sink, message_id: Any) -> None:
     guard = make_guard(clock, sink)
     handler = Counter()
     with pytest.raises(InvalidInput, match="message id .* missing or empty"):
         guard.run(message_id, "q", handler)
     assert handler.calls == [] and guard.store.stats()["keys"] == 0
+
+
+@pytest.mark.parametrize(
+    ("message_id", "got"), [(123, "got int 123"), (b"m1", "got bytes b'm1'"), (1.5, "float 1.5")]
+)
+def test_non_string_message_id_says_it_must_be_a_string_and_what_it_got(
+    clock: Clock, sink: Sink, message_id: Any, got: str
+) -> None:
+    guard = make_guard(clock, sink)
+    handler = Counter()
+    with pytest.raises(InvalidInput) as info:
+        guard.run(message_id, "q", handler)
+    assert "message id must be a string" in str(info.value)
+    assert got in str(info.value)
+    assert "missing or empty" not in str(info.value)
+    assert handler.calls == [] and guard.store.stats()["keys"] == 0
+
+
+def test_guard_given_a_url_suggests_open_store() -> None:
+    with pytest.raises(ConfigError) as info:
+        Guard("redis://:secret@localhost:6379/0")  # type: ignore[arg-type]
+    text = str(info.value)
+    assert "needs a taskonce Store, not str" in text
+    assert "taskonce.open_store(url)" in text
+    assert "secret" not in text  # a URL's password is never echoed
 
 
 @pytest.mark.parametrize("queue", [None, 3, b"q", ""])

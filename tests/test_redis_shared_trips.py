@@ -240,6 +240,50 @@ def test_a_forked_child_does_not_wait_for_its_parents_round_trip(store: RedisSto
     assert store.get("parent") is not None
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("lock", ["_lock", "_fork_lock"])
+def test_a_forked_child_is_not_stuck_on_a_pool_lock_its_parent_held(
+    store: RedisStore, lock: str
+) -> None:
+    """A parent's thread (the liveness writer, say) holds redis-py's pool lock at the fork: the
+    child's copy of that lock would never be released."""
+    store.get("warm")  # the pool has been used: the child must reset it
+    held, let_go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with getattr(store._client.connection_pool, lock):
+            held.set()
+            let_go.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            if store.claim("child", "kid", 300, 600, None).outcome is ClaimOutcome.CLAIMED:
+                code = 0
+        finally:
+            os._exit(code)
+    done = False
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            assert time.monotonic() < deadline, f"the child is stuck on the pool's {lock}"
+            time.sleep(0.02)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        if not done:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        let_go.set()
+        holder.join(10)
+
+
 class Interrupted(BaseException):
     """What Dramatiq's TimeLimit and Shutdown throw into a worker thread (BaseException)."""
 

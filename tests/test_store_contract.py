@@ -214,6 +214,30 @@ def test_stats_count_claims_and_marks(store: Store) -> None:
     assert (stats["keys"], stats["in_progress"], stats["completed"]) == (5, 3, 2)
 
 
+def test_records_tell_a_lazy_mark_from_an_eager_completion(store: Store) -> None:
+    claimed, completed, marked = (f"st_{uuid.uuid4().hex[:8]}:{n}" for n in ("a", "b", "c"))
+    store.claim(claimed, "A", LONG, DAY, None)
+    store.claim(completed, "A", LONG, DAY, None)
+    store.complete(completed, "A", DAY, None)
+    store.mark(marked, DAY, None, None)
+    states = {key: store.get(key).state for key in (claimed, completed, marked)}  # type: ignore[union-attr]
+    assert states == {claimed: "claimed", completed: "completed", marked: "marked"}
+    assert store.get(completed).as_dict()["state"] == "completed"  # type: ignore[union-attr]
+    assert store.get(completed).lease_remaining == 0  # type: ignore[union-attr]
+
+
+def test_records_lists_live_records_by_key_prefix(store: Store) -> None:
+    queue = f"q%_{uuid.uuid4().hex[:8]}"  # LIKE / glob specials are literal
+    store.claim(f"{queue}:1", "A", LONG, DAY, None)
+    store.mark(f"{queue}:2", DAY, None, None)
+    store.mark(f"{queue}x:3", DAY, None, None)
+    store.mark(f"{queue}:gone", 0.01, None, None)
+    wait_for(lambda: store.get(f"{queue}:gone") is None, what="the short mark to expire")
+    found = {r.key: r.state for r in store.records(f"{queue}:")}
+    assert found == {f"{queue}:1": "claimed", f"{queue}:2": "marked"}
+    assert {f"{queue}:1", f"{queue}:2", f"{queue}x:3"} <= {r.key for r in store.records()}
+
+
 def test_describe_names_the_store(store: Store) -> None:
     assert type(store).__name__.replace("Store", "") in store.describe()
 
@@ -241,3 +265,82 @@ def test_store_opened_in_parent_works_in_forked_child(kind: str, tmp_path) -> No
         assert record is not None and record.owner == "child"
     finally:
         drop_store(store)
+
+
+# -- worker identity, liveness records and the fenced takeover ------------------------------
+
+WORKER_A, WORKER_B = "host-a/4026531836/100/5000", "host-b/4026531836/200/6000"
+
+
+def test_claim_records_the_owners_worker_identity_until_complete(store: Store) -> None:
+    key = new_key()
+    assert store.claim(key, "A", LONG, DAY, None, WORKER_A).outcome is ClaimOutcome.CLAIMED
+    record = store.get(key)
+    assert record is not None and record.worker == WORKER_A
+    found = store.claim(key, "B", LONG, DAY, None, WORKER_B)
+    assert found.outcome is ClaimOutcome.EXISTS
+    assert found.record is not None and found.record.worker == WORKER_A
+    store.complete(key, "A", DAY, None)
+    mark = store.get(key)
+    assert mark is not None and mark.worker is None
+
+
+def test_take_over_hands_a_live_claim_on_and_fences_the_old_owner(store: Store) -> None:
+    key = new_key()
+    store.claim(key, "A", LONG, DAY, "fp1", WORKER_A)
+    before = store.get(key)
+    assert before is not None and before.lease_remaining > 50  # the lease is alive
+    assert store.take_over(key, "A", "B", 30.0, DAY, WORKER_B) is True
+    after = store.get(key)
+    assert after is not None
+    assert (after.status, after.owner, after.worker) == (Status.IN_PROGRESS, "B", WORKER_B)
+    assert after.fingerprint == "fp1"
+    assert after.created_at == pytest.approx(before.created_at, abs=0.01)
+    assert 25 < after.lease_remaining <= 30.0
+    for write in (
+        lambda: store.complete(key, "A", DAY, None),
+        lambda: store.renew(key, "A", LONG),
+        lambda: store.release(key, "A"),
+    ):
+        with pytest.raises(LeaseLost):
+            write()
+    # a second takeover naming the old owner loses: only one delivery wins
+    assert store.take_over(key, "A", "C", LONG, DAY, WORKER_A) is False
+    store.complete(key, "B", DAY, '"ok"')
+    done = store.get(key)
+    assert done is not None and done.status is Status.COMPLETED and done.result == '"ok"'
+
+
+def test_take_over_refuses_marks_missing_keys_and_other_owners(store: Store) -> None:
+    marked, missing, claimed = new_key(), new_key(), new_key()
+    store.mark(marked, DAY, None, None)
+    store.claim(claimed, "A", LONG, DAY, None, WORKER_A)
+    assert store.take_over(marked, "A", "B", LONG, DAY, WORKER_B) is False
+    assert store.take_over(missing, "A", "B", LONG, DAY, WORKER_B) is False
+    assert store.take_over(claimed, "X", "B", LONG, DAY, WORKER_B) is False
+    assert store.get(missing) is None
+    record = store.get(claimed)
+    assert record is not None and (record.owner, record.worker) == ("A", WORKER_A)
+
+
+def test_liveness_record_lives_its_ttl_by_the_store_clock(store: Store) -> None:
+    worker = f"host-{uuid.uuid4().hex[:8]}/1/1/1"
+    assert store.seen(worker) is None
+    store.beat(worker, 30.0)
+    seen = store.seen(worker)
+    assert seen is not None
+    assert 0 <= seen.ago < 2 and 28 < seen.remaining <= 30.0
+    store.beat(worker, 0.3)
+    wait_for(
+        lambda: (s := store.seen(worker)) is not None and s.remaining == 0,
+        timeout=10,
+        what="the liveness record to lapse by the store's clock",
+    )
+    lapsed = store.seen(worker)
+    assert lapsed is not None and lapsed.ago >= 0.3  # still tells how long it has been silent
+    store.beat(worker, 30.0)
+    fresh = store.seen(worker)
+    assert fresh is not None and fresh.remaining > 28 and fresh.ago < 2
+    assert store.stats()["keys"] == 0  # liveness records are not keys
+    store.purge()  # keeps a record that lapsed less than the retention ago
+    assert store.seen(worker) is not None

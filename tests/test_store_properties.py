@@ -1,5 +1,7 @@
 """Property test of the store contract, against every store: random sequences of claim,
-complete, release, renew, mark and get, compared with a plain model of the contract."""
+complete, release, renew, mark, take_over and get, and of the hand-off's sends recorded with
+complete/mark, take_sends and dispatched, compared with a plain model of the contract (including
+the claim owner's worker identity)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,11 @@ from tests.helpers import STORE_KINDS, drop_store, make_store
 
 KEYS = st.sampled_from(("q:a", "q:b", "other:a"))
 OWNERS = st.sampled_from(("o1", "o2", "o3"))
+WORKERS = st.sampled_from((None, "h/1/10/100", "h/1/11/100"))
 FINGERPRINTS = st.sampled_from((None, "f1", "f2"))
 RESULTS = st.sampled_from((None, "1", '{"x":[1,2]}', '"\\u00e9t\\u00e9"'))
+SENDS = st.sampled_from(((), ('{"id":"a"}',), ('{"id":"b"}', '{"id":"c","body":{"x":"é"}}')))
+TOKENS = st.sampled_from(("o1", "o2", "t1", "t2"))
 LEASE, KEEP = 600.0, 3600.0  # nothing expires during one example: expiry has its own tests
 
 
@@ -30,34 +35,71 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
             self.store = make_store(kind, self.tmp.name)
             # the model: key -> (status, owner, fingerprint, result)
             self.model: dict[str, tuple[Status, str | None, str | None, str | None]] = {}
+            self.workers: dict[str, str | None] = {}  # key -> the claim's worker identity
+            # the hand-off's model: key -> [pending sends, dispatch token, leased]
+            self.sends: dict[str, list[Any]] = {}
 
         def fenced(self, key: str, owner: str) -> bool:
             entry = self.model.get(key)
             return entry is not None and entry[0] is Status.IN_PROGRESS and entry[1] == owner
 
-        @rule(key=KEYS, owner=OWNERS, fp=FINGERPRINTS)
-        def claim(self, key: str, owner: str, fp: str | None) -> None:
-            claim = self.store.claim(key, owner, LEASE, KEEP, fp)
+        @rule(key=KEYS, owner=OWNERS, fp=FINGERPRINTS, worker=WORKERS)
+        def claim(self, key: str, owner: str, fp: str | None, worker: str | None) -> None:
+            claim = self.store.claim(key, owner, LEASE, KEEP, fp, worker)
             if key in self.model:
                 assert claim.outcome is ClaimOutcome.EXISTS
                 assert claim.record is not None
                 status, holder, recorded_fp, result = self.model[key]
                 assert (claim.record.status, claim.record.owner) == (status, holder)
                 assert (claim.record.fingerprint, claim.record.result) == (recorded_fp, result)
+                assert claim.record.worker == self.workers.get(key)
             else:
                 assert claim.outcome is ClaimOutcome.CLAIMED
                 self.model[key] = (Status.IN_PROGRESS, owner, fp, None)
+                self.workers[key] = worker
 
-        @rule(key=KEYS, owner=OWNERS, result=RESULTS)
-        def complete(self, key: str, owner: str, result: str | None) -> None:
+        @rule(key=KEYS, old=OWNERS, owner=OWNERS, worker=WORKERS.filter(bool))
+        def take_over(self, key: str, old: str, owner: str, worker: str) -> None:
+            expected = self.fenced(key, old)
+            assert self.store.take_over(key, old, owner, LEASE, KEEP, worker) is expected
+            if expected:
+                _, _, fp, result = self.model[key]
+                self.model[key] = (Status.IN_PROGRESS, owner, fp, result)
+                self.workers[key] = worker
+
+        @rule(key=KEYS, owner=OWNERS, result=RESULTS, sends=SENDS)
+        def complete(self, key: str, owner: str, result: str | None, sends: Any) -> None:
             expected = self.fenced(key, owner)
             try:
-                self.store.complete(key, owner, KEEP, result)
+                self.store.complete(key, owner, KEEP, result, sends)
             except LeaseLost:
                 assert not expected, "complete refused for the owner"
                 return
             assert expected, "complete accepted from a non-owner"
             self.model[key] = (Status.COMPLETED, None, self.model[key][2], result)
+            self.workers[key] = None
+            if sends:
+                self.sends[key] = [sends, owner, False]
+
+        @rule(key=KEYS, token=TOKENS)
+        def take_sends(self, key: str, token: str) -> None:
+            lease = self.store.take_sends(key, token, LEASE)
+            pending = self.sends.get(key)
+            if pending is None:
+                assert lease.sends == () and lease.retry_after == 0
+            elif pending[2]:
+                assert lease.sends == () and 0 < lease.retry_after <= LEASE
+            else:
+                assert lease.sends == pending[0] and lease.retry_after == 0
+                pending[1:] = [token, True]
+
+        @rule(key=KEYS, token=TOKENS)
+        def dispatched(self, key: str, token: str) -> None:
+            pending = self.sends.get(key)
+            expected = pending is not None and pending[1] == token
+            assert self.store.dispatched(key, token) is expected
+            if expected:
+                del self.sends[key]
 
         @rule(key=KEYS, owner=st.one_of(st.none(), OWNERS))
         def release(self, key: str, owner: str | None) -> None:
@@ -69,6 +111,8 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
                 return
             assert expected, "release accepted from a non-owner"
             self.model.pop(key, None)
+            self.workers.pop(key, None)
+            self.sends.pop(key, None)
 
         @rule(key=KEYS, owner=OWNERS)
         def renew(self, key: str, owner: str) -> None:
@@ -80,12 +124,17 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
                 return
             assert expected, "renew accepted from a non-owner"
 
-        @rule(key=KEYS, fp=FINGERPRINTS, result=RESULTS)
-        def mark(self, key: str, fp: str | None, result: str | None) -> None:
-            wrote = self.store.mark(key, KEEP, fp, result)
+        @rule(key=KEYS, fp=FINGERPRINTS, result=RESULTS, sends=SENDS, token=TOKENS)
+        def mark(
+            self, key: str, fp: str | None, result: str | None, sends: Any, token: str
+        ) -> None:
+            wrote = self.store.mark(key, KEEP, fp, result, sends, token)
             assert wrote is (key not in self.model)
             if wrote:
                 self.model[key] = (Status.COMPLETED, None, fp, result)
+                self.workers[key] = None
+                if sends:
+                    self.sends[key] = [sends, token, False]
 
         @invariant()
         def records_match_the_model(self) -> None:
@@ -97,6 +146,10 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
                     continue
                 assert record is not None
                 assert (record.status, record.owner, record.fingerprint, record.result) == entry
+                assert record.worker == self.workers.get(key)
+                pending = self.sends.get(key)
+                assert record.sends == (pending[0] if pending else ())
+                assert record.sends_pending is (pending is not None)
                 if record.status is Status.IN_PROGRESS:
                     assert 0 < record.lease_remaining <= LEASE
                 else:
@@ -107,6 +160,8 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
             stats = self.store.stats()
             in_progress = sum(1 for e in self.model.values() if e[0] is Status.IN_PROGRESS)
             assert (stats["keys"], stats["in_progress"]) == (len(self.model), in_progress)
+            assert stats["sends_pending"] == len(self.sends)
+            assert sorted(self.store.pending_sends(0.0, 10)) == sorted(self.sends)
 
         def teardown(self) -> None:
             drop_store(self.store)

@@ -6,7 +6,16 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from taskonce.errors import ConfigError
-from taskonce.stores.base import MAX_KEY_LENGTH, Claim, ClaimOutcome, Record, Status, Store
+from taskonce.stores.base import (
+    MAX_KEY_LENGTH,
+    Claim,
+    ClaimOutcome,
+    Record,
+    Seen,
+    SendLease,
+    Status,
+    Store,
+)
 from taskonce.stores.memory import MemoryStore
 
 SUPPORTED_SCHEMES = (
@@ -49,6 +58,10 @@ def open_store(url: str, **options: Any) -> Store:
     :class:`~taskonce.stores.redis.RedisStore`; ``sqlite:///``, ``postgresql+psycopg://``,
     ``mysql+pymysql://`` (any SQLAlchemy URL of those dialects) →
     :class:`~taskonce.stores.sql.SQLStore`. ``options`` go to the store's constructor.
+
+    The URL's query string takes taskonce's own options (``prefix`` for Redis, ``table`` for
+    SQL) and the driver's, passed through; any other name raises :class:`ConfigError` here,
+    before anything connects (the options table is in the documentation's stores page).
     """
     if not isinstance(url, str) or "://" not in url:
         raise ConfigError(
@@ -80,6 +93,8 @@ __all__ = [
     "ClaimOutcome",
     "MemoryStore",
     "Record",
+    "Seen",
+    "SendLease",
     "Status",
     "Store",
     "open_store",

@@ -7,6 +7,10 @@ with :class:`~taskonce.errors.LeaseLost` when the token no longer matches (fenci
 
 Times in records are seconds since the epoch *by the store's clock*; ``lease_remaining`` is
 computed by the store at read time so callers never compare their own clock with the store's.
+
+A claim also records its owner's *worker identity* (:mod:`taskonce.worker`), and each worker
+process keeps a short-lived *liveness record* in the store (:meth:`Store.beat`), so a claim
+whose owner is known dead can be taken over (:meth:`Store.take_over`) before its lease runs out.
 """
 
 from __future__ import annotations
@@ -14,11 +18,16 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 #: Keys longer than this are refused (an index on a VARCHAR(255) column and readable logs).
 MAX_KEY_LENGTH = 255
+#: Worker identities longer than this are refused (they fit a VARCHAR(255) column).
+MAX_WORKER_LENGTH = 255
+#: Seconds a lapsed liveness record is kept, so a takeover can tell how long its owner was
+#: silent; after that the store may forget it.
+LIVENESS_RETENTION = 3600.0
 
 
 class Status(str, enum.Enum):
@@ -48,11 +57,46 @@ class Record:
     created_at: float  # first claim or mark, store clock
     expires_at: float  # when the store may forget the record
     lease_remaining: float  # seconds left on a claim's lease (0 for marks and expired leases)
+    worker: str | None = None  # the claim owner's worker identity (None on marks, old claims)
+    # A completed record written by a lazy mark (the key was never claimed), as opposed to an
+    # eager claim that was completed; stores tell them apart by the lease a completion keeps.
+    marked: bool = False
+
+    @property
+    def state(self) -> str:
+        """The record in the docs' words: ``claimed``, ``completed`` (eager) or ``marked``
+        (lazy)."""
+        if self.status is Status.IN_PROGRESS:
+            return "claimed"
+        return "marked" if self.marked else "completed"
+
+    #: a handled record whose deferred sends are not all published yet (the hand-off)
+    sends_pending: bool = False
+    #: those sends (JSON texts, in send order) when the read returns them (``get`` does)
+    sends: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["status"] = self.status.value
+        data["state"] = self.state
         return data
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """A worker's liveness record as :meth:`Store.seen` reads it, by the store's clock."""
+
+    ago: float  # seconds since the worker's last liveness write
+    remaining: float  # seconds until the record lapses; 0 once it has (the worker is silent)
+
+
+@dataclasses.dataclass(frozen=True)
+class SendLease:
+    """The answer of :meth:`Store.take_sends`."""
+
+    sends: tuple[str, ...] = ()
+    #: > 0 when another dispatcher holds the lease: seconds until it runs out
+    retry_after: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +119,16 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def claim(
-        self, key: str, owner: str, lease: float, keep_for: float, fingerprint: str | None
+        self,
+        key: str,
+        owner: str,
+        lease: float,
+        keep_for: float,
+        fingerprint: str | None,
+        worker: str | None = None,
     ) -> Claim:
-        """Atomically take ``key`` for ``owner`` for ``lease`` seconds.
+        """Atomically take ``key`` for ``owner`` (of worker identity ``worker``) for ``lease``
+        seconds.
 
         Claims when nothing live is recorded (an expired mark counts as nothing); takes over a
         claim whose lease has run out, unless its fingerprint differs from ``fingerprint`` (both
@@ -86,9 +137,42 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
-    def complete(self, key: str, owner: str, keep_for: float, result: str | None) -> None:
+    def take_over(
+        self, key: str, old_owner: str, owner: str, lease: float, keep_for: float, worker: str
+    ) -> bool:
+        """Hand ``old_owner``'s live claim of ``key`` to ``owner`` (of worker identity
+        ``worker``) for ``lease`` seconds, whatever its lease says (its owner is known dead).
+
+        Fenced: True only if the claim was still ``old_owner``'s; otherwise nothing changes
+        (someone else took it over, completed or released it first). The fingerprint and
+        ``created_at`` are kept; the record lives ``lease + keep_for`` from now.
+        """
+
+    @abc.abstractmethod
+    def beat(self, worker: str, ttl: float) -> None:
+        """Write ``worker``'s liveness record: seen now, alive for ``ttl`` seconds (store
+        clock). The record is kept a while after it lapses so :meth:`seen` can tell how long a
+        silent worker has been silent."""
+
+    @abc.abstractmethod
+    def seen(self, worker: str) -> Seen | None:
+        """``worker``'s liveness record, or None when it has none (never written, or forgotten
+        long after it lapsed)."""
+
+    @abc.abstractmethod
+    def complete(
+        self,
+        key: str,
+        owner: str,
+        keep_for: float,
+        result: str | None,
+        sends: Sequence[str] = (),
+    ) -> None:
         """Turn ``owner``'s claim into a mark kept ``keep_for`` seconds; :class:`LeaseLost` if
-        the claim is no longer ``owner``'s."""
+        the claim is no longer ``owner``'s.
+
+        ``sends`` (JSON texts) are recorded with the mark in the same atomic write, pending,
+        with ``owner`` as their dispatch token (see :meth:`dispatched`)."""
 
     @abc.abstractmethod
     def release(self, key: str, owner: str | None) -> None:
@@ -102,12 +186,40 @@ class Store(abc.ABC):
         claim is no longer ``owner``'s."""
 
     @abc.abstractmethod
-    def mark(self, key: str, keep_for: float, fingerprint: str | None, result: str | None) -> bool:
+    def mark(
+        self,
+        key: str,
+        keep_for: float,
+        fingerprint: str | None,
+        result: str | None,
+        sends: Sequence[str] = (),
+        token: str = "",
+    ) -> bool:
         """Record ``key`` as handled for ``keep_for`` seconds (lazy mode).
 
         True when this call wrote the mark; False when a live record already existed (a
-        concurrent duplicate ran too), in which case nothing changes.
+        concurrent duplicate ran too), in which case nothing changes. ``sends`` are recorded
+        with the mark in the same atomic write, pending, with ``token`` as dispatch token.
         """
+
+    # -- the hand-off: sends recorded with the outcome -----------------------------------------
+
+    @abc.abstractmethod
+    def take_sends(self, key: str, token: str, lease: float, older_than: float = 0.0) -> SendLease:
+        """Take the dispatch lease of ``key``'s pending sends for ``lease`` seconds under
+        ``token``, if they were recorded at least ``older_than`` seconds ago and no other
+        dispatcher holds a live lease. Returns the sends (empty when none are pending or the
+        lease is held elsewhere, then with ``retry_after`` = the lease's remaining time)."""
+
+    @abc.abstractmethod
+    def dispatched(self, key: str, token: str) -> bool:
+        """Record ``key``'s pending sends as published (fenced: only while ``token`` is still
+        their dispatch token). True when this call cleared them."""
+
+    @abc.abstractmethod
+    def pending_sends(self, older_than: float = 0.0, limit: int = 100) -> list[str]:
+        """Keys whose sends have been pending for at least ``older_than`` seconds, oldest
+        first, at most ``limit`` (candidates for the relay)."""
 
     @abc.abstractmethod
     def get(self, key: str) -> Record | None:
@@ -119,7 +231,13 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> Mapping[str, int]:
-        """Counts of live records: ``keys``, ``in_progress``, ``completed``, ``expired``."""
+        """Counts of live records: ``keys``, ``in_progress``, ``completed``, ``expired``, and
+        ``sends_pending``: records whose deferred sends are not all published."""
+
+    def records(self, key_prefix: str = "") -> Iterator[Record]:
+        """The live records whose key starts with ``key_prefix``, in no particular order
+        (a scan for the CLI and monitoring, not for hot paths)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its records")
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -10,10 +10,19 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from taskonce.errors import ConfigError, LeaseLost
-from taskonce.stores.base import Claim, ClaimOutcome, Record, Status, Store
+from taskonce.stores.base import (
+    LIVENESS_RETENTION,
+    Claim,
+    ClaimOutcome,
+    Record,
+    Seen,
+    SendLease,
+    Status,
+    Store,
+)
 
 
 @dataclasses.dataclass
@@ -25,6 +34,11 @@ class _Entry:
     created_at: float
     expires_at: float
     lease_until: float
+    worker: str | None = None
+    sends: tuple[str, ...] = ()  # pending deferred sends
+    sends_token: str = ""
+    sends_at: float = 0.0  # when they were recorded
+    sends_lease: float = 0.0  # a dispatcher's lease on them runs until
 
 
 class MemoryStore(Store):
@@ -39,6 +53,7 @@ class MemoryStore(Store):
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
+        self._beats: dict[str, tuple[float, float]] = {}  # worker -> (seen at, alive until)
         self._lock = threading.Lock()
         os.register_at_fork(after_in_child=self._after_fork)
 
@@ -48,7 +63,8 @@ class MemoryStore(Store):
     def _live(self, key: str, now: float) -> _Entry | None:
         entry = self._entries.get(key)
         if entry is not None and entry.expires_at <= now:
-            del self._entries[key]
+            if not entry.sends:  # pending sends stay for the relay (purge keeps them too)
+                del self._entries[key]
             return None
         return entry
 
@@ -65,6 +81,10 @@ class MemoryStore(Store):
             created_at=entry.created_at,
             expires_at=entry.expires_at,
             lease_remaining=remaining,
+            worker=entry.worker,
+            marked=entry.status is Status.COMPLETED and not entry.lease_until,
+            sends_pending=bool(entry.sends),
+            sends=entry.sends,
         )
 
     def _owned(self, key: str, owner: str, now: float, operation: str) -> _Entry:
@@ -74,7 +94,13 @@ class MemoryStore(Store):
         return entry
 
     def claim(
-        self, key: str, owner: str, lease: float, keep_for: float, fingerprint: str | None
+        self,
+        key: str,
+        owner: str,
+        lease: float,
+        keep_for: float,
+        fingerprint: str | None,
+        worker: str | None = None,
     ) -> Claim:
         with self._lock:
             now = self._clock()
@@ -98,18 +124,55 @@ class MemoryStore(Store):
                 created_at=now if entry is None else entry.created_at,
                 expires_at=now + lease + keep_for,
                 lease_until=now + lease,
+                worker=worker,
             )
             return Claim(outcome)
 
-    def complete(self, key: str, owner: str, keep_for: float, result: str | None) -> None:
+    def take_over(
+        self, key: str, old_owner: str, owner: str, lease: float, keep_for: float, worker: str
+    ) -> bool:
+        with self._lock:
+            now = self._clock()
+            entry = self._live(key, now)
+            if entry is None or entry.status is not Status.IN_PROGRESS or entry.owner != old_owner:
+                return False
+            entry.owner = owner
+            entry.worker = worker
+            entry.lease_until = now + lease
+            entry.expires_at = now + lease + keep_for
+            return True
+
+    def beat(self, worker: str, ttl: float) -> None:
+        with self._lock:
+            now = self._clock()
+            self._beats[worker] = (now, now + ttl)
+
+    def seen(self, worker: str) -> Seen | None:
+        with self._lock:
+            now = self._clock()
+            beat = self._beats.get(worker)
+            if beat is None or beat[1] + LIVENESS_RETENTION <= now:
+                return None
+            return Seen(ago=max(0.0, now - beat[0]), remaining=max(0.0, beat[1] - now))
+
+    def complete(
+        self,
+        key: str,
+        owner: str,
+        keep_for: float,
+        result: str | None,
+        sends: Sequence[str] = (),
+    ) -> None:
         with self._lock:
             now = self._clock()
             entry = self._owned(key, owner, now, "complete")
             entry.status = Status.COMPLETED
             entry.owner = None
+            entry.worker = None
             entry.result = result
-            entry.expires_at = now + keep_for
-            entry.lease_until = 0.0
+            entry.expires_at = now + keep_for  # lease_until stays: the record was claimed
+            if sends:
+                _record_sends(entry, sends, owner, now)
 
     def release(self, key: str, owner: str | None) -> None:
         with self._lock:
@@ -125,12 +188,20 @@ class MemoryStore(Store):
             entry.expires_at += max(0.0, now + lease - entry.lease_until)
             entry.lease_until = now + lease
 
-    def mark(self, key: str, keep_for: float, fingerprint: str | None, result: str | None) -> bool:
+    def mark(
+        self,
+        key: str,
+        keep_for: float,
+        fingerprint: str | None,
+        result: str | None,
+        sends: Sequence[str] = (),
+        token: str = "",
+    ) -> bool:
         with self._lock:
             now = self._clock()
             if self._live(key, now) is not None:
                 return False
-            self._entries[key] = _Entry(
+            entry = self._entries[key] = _Entry(
                 status=Status.COMPLETED,
                 owner=None,
                 fingerprint=fingerprint,
@@ -139,7 +210,41 @@ class MemoryStore(Store):
                 expires_at=now + keep_for,
                 lease_until=0.0,
             )
+            if sends:
+                _record_sends(entry, sends, token, now)
             return True
+
+    def take_sends(self, key: str, token: str, lease: float, older_than: float = 0.0) -> SendLease:
+        with self._lock:
+            now = self._clock()
+            entry = self._entries.get(key)
+            if entry is None or not entry.sends or entry.sends_at > now - older_than:
+                return SendLease()
+            if entry.sends_lease > now:
+                return SendLease(retry_after=entry.sends_lease - now)
+            entry.sends_token = token
+            entry.sends_lease = now + lease
+            return SendLease(entry.sends)
+
+    def dispatched(self, key: str, token: str) -> bool:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not entry.sends or entry.sends_token != token:
+                return False
+            entry.sends = ()
+            entry.sends_token = ""
+            entry.sends_at = entry.sends_lease = 0.0
+            return True
+
+    def pending_sends(self, older_than: float = 0.0, limit: int = 100) -> list[str]:
+        with self._lock:
+            now = self._clock()
+            found = [
+                (e.sends_at, k)
+                for k, e in self._entries.items()
+                if e.sends and e.sends_at <= now - older_than
+            ]
+        return [k for _, k in sorted(found)[:limit]]
 
     def get(self, key: str) -> Record | None:
         with self._lock:
@@ -154,9 +259,16 @@ class MemoryStore(Store):
         while True:
             with self._lock:
                 now = self._clock()
-                expired = [k for k, e in self._entries.items() if e.expires_at <= now][:batch]
+                # A record whose sends are pending is kept until the relay publishes them.
+                expired = [
+                    k for k, e in self._entries.items() if e.expires_at <= now and not e.sends
+                ][:batch]
                 for key in expired:
                     del self._entries[key]
+                for worker in [
+                    w for w, b in self._beats.items() if b[1] + LIVENESS_RETENTION <= now
+                ]:
+                    del self._beats[worker]
             deleted += len(expired)
             if len(expired) < batch:
                 return deleted
@@ -172,11 +284,30 @@ class MemoryStore(Store):
             "in_progress": in_progress,
             "completed": len(live) - in_progress,
             "expired": len(entries) - len(live),
+            "sends_pending": sum(1 for e in entries if e.sends),
         }
+
+    def records(self, key_prefix: str = "") -> Iterator[Record]:
+        with self._lock:
+            now = self._clock()
+            found = [
+                self._record(key, entry, now)
+                for key, entry in self._entries.items()
+                if key.startswith(key_prefix) and entry.expires_at > now
+            ]
+        return iter(found)
 
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._beats.clear()
 
     def describe(self) -> str:
         return "MemoryStore (this process only)"
+
+
+def _record_sends(entry: _Entry, sends: Sequence[str], token: str, now: float) -> None:
+    entry.sends = tuple(sends)
+    entry.sends_token = token
+    entry.sends_at = now
+    entry.sends_lease = 0.0

@@ -8,9 +8,20 @@ Each record is one Redis hash at ``f"{prefix}:{key}"`` with the fields
 ``fp``     payload fingerprint (absent when None)
 ``rs``     the handler's JSON result (absent when None)
 ``ca``     created at, milliseconds since the epoch by the Redis clock
-``lu``     lease until, ms (claims only)
+``lu``     lease until, ms (claims; kept by a completion, so only a lazy mark lacks it)
 ``ex``     expires at, ms; the key carries the same instant as its Redis expiry (``PEXPIREAT``)
+``wk``     the claim owner's worker identity (claims only; absent when not given)
+``sd``     deferred sends still to publish: a JSON array of the sends' JSON texts (status
+           ``"p"``: completed, sends pending; back to ``"c"`` once they are published)
+``sk``     their dispatch token; ``sa`` when they were recorded, ``sl`` a dispatcher's lease
 =========  ==================================================================================
+
+A worker's liveness record is the hash ``f"{prefix}:~live:{worker}"`` with ``seen`` (last
+write, ms) and ``until`` (alive until, ms), kept by Redis for a while after it lapses.
+
+Records with pending sends are also listed in one sorted set, ``f"{prefix}!sends"`` (score: when
+they were recorded), for the relay. The scripts that write sends touch it too (its name is an
+argument), so on Redis Cluster give the store a hash-tagged prefix such as ``"{taskonce}"``.
 
 Every decision is taken inside a Lua script that reads the clock with ``redis.call('TIME')``,
 so leases and retention are judged by the Redis server's clock, never by a worker's. Every
@@ -31,16 +42,20 @@ child before any of its threads runs (``os.register_at_fork``).
 
 from __future__ import annotations
 
+import functools
+import inspect
+import json
 import logging
 import os
 import re
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import parse_qsl, urlencode
 
 import redis
+import redis.connection
 import redis.exceptions
 from redis.backoff import NoBackoff
 from redis.commands.core import Script
@@ -48,7 +63,17 @@ from redis.retry import Retry
 
 from taskonce.errors import ConfigError, LeaseLost, StoreUnavailable
 from taskonce.stores import redact
-from taskonce.stores.base import Claim, ClaimOutcome, Record, Status, Store
+from taskonce.stores.base import (
+    LIVENESS_RETENTION,
+    Claim,
+    ClaimOutcome,
+    Record,
+    Seen,
+    SendLease,
+    Status,
+    Store,
+)
+from taskonce.stores.options import check_names, own_value, single_values
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +105,12 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function ms(x) return string.format('%.0f', x) end
 """
 
-# KEYS[1] record; ARGV owner, lease_ms, keep_ms, has_fp ("1"/"0"), fp.
-# Reply: 1 claimed, 2 taken over, or {now, st, ow, fp, rs, ca, lu, ex} for "exists".
+# KEYS[1] record; ARGV owner, lease_ms, keep_ms, has_fp ("1"/"0"), fp, worker ("" = none).
+# Reply: 1 claimed, 2 taken over, or {now, st, ow, fp, rs, ca, lu, ex, wk} for "exists".
 _CLAIM = (
     _PROLOGUE
     + """
-local h = redis.call('HMGET', KEYS[1], 'st', 'ow', 'fp', 'rs', 'ca', 'lu', 'ex')
+local h = redis.call('HMGET', KEYS[1], 'st', 'ow', 'fp', 'rs', 'ca', 'lu', 'ex', 'wk')
 local outcome = 1
 local created = now
 if h[1] then
@@ -93,7 +118,7 @@ if h[1] then
     local expired_claim = h[1] == 'i' and tonumber(h[6]) <= now
     local same_payload = (not h[3]) or ARGV[4] ~= '1' or h[3] == ARGV[5]
     if not (expired_claim and same_payload) then
-      return {now, h[1], h[2], h[3], h[4], h[5], h[6], h[7]}
+      return {now, h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8]}
     end
     outcome = 2
     created = tonumber(h[5])
@@ -109,8 +134,46 @@ else
   redis.call('HSET', KEYS[1], 'st', 'i', 'ow', ARGV[1], 'ca', ms(created),
              'lu', ms(lease_until), 'ex', ms(expires))
 end
+if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'wk', ARGV[6]) end
 redis.call('PEXPIREAT', KEYS[1], ms(expires))
 return outcome
+"""
+)
+
+# KEYS[1] record; ARGV old owner, new owner, lease_ms, keep_ms, worker. Reply 1 taken over, 0
+# the live record is not old owner's claim (nothing changed).
+_TAKE_OVER = (
+    _PROLOGUE
+    + """
+local h = redis.call('HMGET', KEYS[1], 'st', 'ow', 'ex')
+if not h[1] or tonumber(h[3]) <= now or h[1] ~= 'i' or h[2] ~= ARGV[1] then return 0 end
+local lease_until = now + tonumber(ARGV[3])
+local expires = lease_until + tonumber(ARGV[4])
+redis.call('HSET', KEYS[1], 'ow', ARGV[2], 'wk', ARGV[5], 'lu', ms(lease_until),
+           'ex', ms(expires))
+redis.call('PEXPIREAT', KEYS[1], ms(expires))
+return 1
+"""
+)
+
+# KEYS[1] liveness record; ARGV ttl_ms, retention_ms. Reply 1.
+_BEAT = (
+    _PROLOGUE
+    + """
+local alive_until = now + tonumber(ARGV[1])
+redis.call('HSET', KEYS[1], 'seen', ms(now), 'until', ms(alive_until))
+redis.call('PEXPIREAT', KEYS[1], ms(alive_until + tonumber(ARGV[2])))
+return 1
+"""
+)
+
+# KEYS[1] liveness record. Reply nil when absent, else {now, seen, until}.
+_SEEN = (
+    _PROLOGUE
+    + """
+local h = redis.call('HMGET', KEYS[1], 'seen', 'until')
+if not h[1] then return false end
+return {now, h[1], h[2]}
 """
 )
 
@@ -128,14 +191,54 @@ _COMPLETE = (
     + """
 local expires = now + tonumber(ARGV[2])
 if ARGV[3] == '1' then
-  redis.call('HDEL', KEYS[1], 'ow', 'lu')
+  redis.call('HDEL', KEYS[1], 'ow', 'wk')
   redis.call('HSET', KEYS[1], 'st', 'c', 'ex', ms(expires), 'rs', ARGV[4])
 else
-  redis.call('HDEL', KEYS[1], 'ow', 'lu', 'rs')
+  redis.call('HDEL', KEYS[1], 'ow', 'rs', 'wk')
   redis.call('HSET', KEYS[1], 'st', 'c', 'ex', ms(expires))
 end
 redis.call('PEXPIREAT', KEYS[1], ms(expires))
 return 1
+"""
+)
+
+# The hand-off variants, used only when the handler sent something (a task that sends nothing
+# runs the plain scripts, with not one argument more). Extra ARGV: index, sends JSON, member
+# (the key without prefix), and for marks the dispatch token.
+_COMPLETE_SENDS = _COMPLETE.replace(
+    "'st', 'c'", "'st', 'p', 'sd', ARGV[6], 'sk', ARGV[1], 'sa', ms(now)"
+).replace("return 1\n", "redis.call('ZADD', ARGV[5], now, ARGV[7])\nreturn 1\n")
+
+# KEYS[1] record; ARGV token, lease_ms, min_age_ms, index, member. Reply: 0 nothing to take
+# (none pending, or too young), {ms} another dispatcher's lease has ms left, or the sends JSON.
+_TAKE_SENDS = (
+    _PROLOGUE
+    + """
+local h = redis.call('HMGET', KEYS[1], 'st', 'sa', 'sl', 'sd')
+if h[1] ~= 'p' then redis.call('ZREM', ARGV[4], ARGV[5]) return 0 end
+if tonumber(h[2]) > now - tonumber(ARGV[3]) then return 0 end
+if h[3] and tonumber(h[3]) > now then return {tonumber(h[3]) - now} end
+redis.call('HSET', KEYS[1], 'sk', ARGV[1], 'sl', ms(now + tonumber(ARGV[2])))
+return h[4]
+"""
+)
+
+# KEYS[1] record; ARGV token, index, member. Reply 1 cleared, 0 not this token's (fenced).
+_DISPATCHED = """
+local h = redis.call('HMGET', KEYS[1], 'st', 'sk')
+if h[1] ~= 'p' or h[2] ~= ARGV[1] then return 0 end
+redis.call('HDEL', KEYS[1], 'sd', 'sk', 'sa', 'sl')
+redis.call('HSET', KEYS[1], 'st', 'c')
+redis.call('ZREM', ARGV[2], ARGV[3])
+return 1
+"""
+
+# KEYS[1] the index; ARGV min_age_ms, limit. Reply: members recorded at least min_age ago.
+_PENDING = (
+    _PROLOGUE
+    + """
+return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]),
+                  'LIMIT', 0, tonumber(ARGV[2]))
 """
 )
 
@@ -179,14 +282,19 @@ redis.call('PEXPIREAT', KEYS[1], ms(expires))
 return 1
 """
 )
+_MARK_SENDS = _MARK.replace(
+    "'st', 'c', 'ca', ms(now)",
+    "'st', 'p', 'ca', ms(now), 'sd', ARGV[7], 'sk', ARGV[9], 'sa', ms(now)",
+).replace("return 1\n", "redis.call('ZADD', ARGV[6], now, ARGV[8])\nreturn 1\n")
 
-# KEYS[1] record. Reply: nil when absent or expired, else {now, st, ow, fp, rs, ca, lu, ex}.
+# KEYS[1] record. Reply: nil when absent or expired, else {now, st, ow, fp, rs, ca, lu, ex, wk,
+# sd}.
 _GET = (
     _PROLOGUE
     + """
-local h = redis.call('HMGET', KEYS[1], 'st', 'ow', 'fp', 'rs', 'ca', 'lu', 'ex')
+local h = redis.call('HMGET', KEYS[1], 'st', 'ow', 'fp', 'rs', 'ca', 'lu', 'ex', 'wk', 'sd')
 if not h[1] or tonumber(h[7]) <= now then return false end
-return {now, h[1], h[2], h[3], h[4], h[5], h[6], h[7]}
+return {now, h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8], h[9]}
 """
 )
 
@@ -200,7 +308,7 @@ def _cannot_answer(exc: BaseException) -> bool:
     )
 
 
-_STATUS = {"i": Status.IN_PROGRESS, "c": Status.COMPLETED}
+_STATUS = {"i": Status.IN_PROGRESS, "c": Status.COMPLETED, "p": Status.COMPLETED}
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
 
@@ -447,6 +555,24 @@ _FORKED: weakref.WeakSet[_SharedTrips] = weakref.WeakSet()
 def _reset_after_fork() -> None:
     for trips in list(_FORKED):
         trips._reset()
+        _unlock_pool(trips._client)
+
+
+def _unlock_pool(client: Any) -> None:
+    """Give a forked child's copy of redis-py's pool fresh locks.
+
+    A thread of the parent (the liveness writer, a heartbeat, a Dramatiq worker thread) may hold
+    the pool's ``_lock`` or ``_fork_lock`` at the moment another thread forks; that thread does
+    not exist in the child, so the copied lock is never released and the child's first command
+    (its ``reset()`` after the pid check takes ``_lock``) would wait for ever. Nothing else in
+    the child can hold them yet: this runs before any of its threads."""
+    pool = getattr(client, "connection_pool", None)
+    for name in ("_lock", "_fork_lock"):
+        old = getattr(pool, name, None)
+        if old is not None and hasattr(old, "acquire"):
+            setattr(
+                pool, name, threading.RLock() if "RLock" in type(old).__name__ else threading.Lock()
+            )
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -457,10 +583,12 @@ class RedisStore(Store):
     Every script touches only the one key it is given, so the key layout is cluster-safe.
 
     :param url: ``redis://[[user]:password@]host:port/db``, ``rediss://…`` (TLS) or
-        ``unix:///path/to/redis.sock?db=0``; query-string options go to redis-py
-        (:meth:`redis.Redis.from_url`). Ignored when ``client`` is given.
+        ``unix:///path/to/redis.sock?db=0``. Query options: ``prefix`` (taskonce's own, as
+        the argument below) and redis-py's connection options (``socket_timeout``,
+        ``ssl_ca_certs``, …), which go to :meth:`redis.Redis.from_url`; any other name is a
+        :class:`~taskonce.errors.ConfigError`. Ignored when ``client`` is given.
     :param prefix: namespace of this store's keys: a record lives at ``f"{prefix}:{key}"``.
-        Non-empty, without whitespace. Default ``"taskonce"``.
+        Non-empty, without whitespace. Default ``"taskonce"``; also ``?prefix=`` in the URL.
     :param client: an existing :class:`redis.Redis` to use instead of opening one from ``url``
         (its own timeouts and retry policy apply; :meth:`close` leaves it open).
     :param socket_timeout: seconds to wait for a connection or a reply before the operation
@@ -479,10 +607,14 @@ class RedisStore(Store):
         self,
         url: str = _DEFAULT_URL,
         *,
-        prefix: str = "taskonce",
+        prefix: str | None = None,
         client: redis.Redis | None = None,
         socket_timeout: float = 5.0,
     ) -> None:
+        url_prefix = None
+        if client is None and isinstance(url, str):
+            url, url_prefix = _take_prefix(url)
+        prefix = own_value("RedisStore", "prefix", url_prefix, prefix, "taskonce")
         if not isinstance(prefix, str) or not prefix or any(c.isspace() for c in prefix):
             raise ConfigError(
                 f"RedisStore prefix must be a non-empty string without whitespace, got {prefix!r}"
@@ -511,6 +643,15 @@ class RedisStore(Store):
         self._renew = self._client.register_script(_RENEW)
         self._mark = self._client.register_script(_MARK)
         self._get = self._client.register_script(_GET)
+        self._take_over = self._client.register_script(_TAKE_OVER)
+        self._beat = self._client.register_script(_BEAT)
+        self._seen = self._client.register_script(_SEEN)
+        self._complete_sends = self._client.register_script(_COMPLETE_SENDS)
+        self._mark_sends = self._client.register_script(_MARK_SENDS)
+        self._take_sends = self._client.register_script(_TAKE_SENDS)
+        self._dispatched_script = self._client.register_script(_PROLOGUE + _DISPATCHED)
+        self._pending = self._client.register_script(_PENDING)
+        self._index = f"{prefix}!sends"
         self._trips = _SharedTrips(self._client)
         logger.debug("opened %s", self.describe())
 
@@ -557,6 +698,12 @@ class RedisStore(Store):
     def _key(self, key: str) -> str:
         return f"{self._prefix}:{key}"
 
+    @staticmethod
+    def _live_key(worker: str) -> str:
+        # Under the same prefix (so removing a prefix's keys removes these too), in a
+        # sub-namespace that the guard's keys ("queue:id") do not use.
+        return f"~live:{worker}"
+
     def _unavailable(self, operation: str, key: str | None, exc: BaseException) -> NoReturn:
         where = f" of key {key!r}" if key is not None else ""
         logger.debug("%s%s failed on %s: %s", operation, where, self._url, type(exc).__name__)
@@ -588,9 +735,11 @@ class RedisStore(Store):
         raise exc
 
     def _record(self, key: str, reply: Sequence[Any]) -> Record:
-        """A Record from the scripts' ``{now, st, ow, fp, rs, ca, lu, ex}`` reply."""
+        """A Record from the scripts' ``{now, st, ow, fp, rs, ca, lu, ex[, wk[, sd]]}`` reply."""
         now = int(reply[0])
-        status = _STATUS[_text(reply[1]) or ""]
+        st = _text(reply[1]) or ""
+        status = _STATUS[st]
+        sends = _text(reply[9]) if len(reply) > 9 else None
         lease_until = int(_text(reply[6]) or 0)
         remaining = 0.0
         if status is Status.IN_PROGRESS:
@@ -604,35 +753,83 @@ class RedisStore(Store):
             created_at=int(_text(reply[5]) or 0) / 1000.0,
             expires_at=int(_text(reply[7]) or 0) / 1000.0,
             lease_remaining=remaining,
+            worker=_text(reply[8]) if len(reply) > 8 else None,
+            marked=status is Status.COMPLETED and not lease_until,  # a completion keeps 'lu'
+            sends_pending=st == "p",
+            sends=tuple(json.loads(sends)) if sends else (),
         )
 
     # -- the Store contract ----------------------------------------------------------------------
 
     def claim(
-        self, key: str, owner: str, lease: float, keep_for: float, fingerprint: str | None
+        self,
+        key: str,
+        owner: str,
+        lease: float,
+        keep_for: float,
+        fingerprint: str | None,
+        worker: str | None = None,
     ) -> Claim:
         """Atomically take ``key`` for ``owner`` (see :meth:`Store.claim`).
 
         One EVALSHA; a fresh claim or a takeover answers with a single integer, only "exists"
         carries the record found.
         """
-        args = (owner, _ms(lease), _ms(keep_for), *_optional(fingerprint))
+        args = (owner, _ms(lease), _ms(keep_for), *_optional(fingerprint), worker or "")
         reply = self._run("claim", self._claim, key, args)
         if isinstance(reply, list):
             return Claim(ClaimOutcome.EXISTS, self._record(key, reply))
         return Claim(ClaimOutcome.CLAIMED if int(reply) == 1 else ClaimOutcome.TAKEN_OVER)
 
-    def complete(self, key: str, owner: str, keep_for: float, result: str | None) -> None:
-        """Turn ``owner``'s claim into a mark kept ``keep_for`` seconds; :class:`LeaseLost` if
-        the claim is no longer ``owner``'s."""
-        args = (owner, _ms(keep_for), *_optional(result))
-        if not int(self._run("complete", self._complete, key, args)):
+    def take_over(
+        self, key: str, old_owner: str, owner: str, lease: float, keep_for: float, worker: str
+    ) -> bool:
+        """Hand ``old_owner``'s live claim to ``owner`` (one EVALSHA, fenced by the old token)."""
+        args = (old_owner, owner, _ms(lease), _ms(keep_for), worker)
+        return bool(int(self._run("take_over", self._take_over, key, args)))
+
+    def beat(self, worker: str, ttl: float) -> None:
+        """Write ``worker``'s liveness record (one EVALSHA, judged by the Redis clock)."""
+        args = (_ms(ttl), _ms(LIVENESS_RETENTION))
+        self._run("beat", self._beat, self._live_key(worker), args)
+
+    def seen(self, worker: str) -> Seen | None:
+        """``worker``'s liveness record by the Redis clock, or None."""
+        reply = self._run("seen", self._seen, self._live_key(worker), ())
+        if reply is None:
+            return None
+        now, seen, until = (int(_text(item) or 0) for item in reply)
+        return Seen(ago=max(0, now - seen) / 1000.0, remaining=max(0, until - now) / 1000.0)
+
+    def complete(
+        self,
+        key: str,
+        owner: str,
+        keep_for: float,
+        result: str | None,
+        sends: Sequence[str] = (),
+    ) -> None:
+        """Turn ``owner``'s claim into a mark kept ``keep_for`` seconds, with ``sends`` pending
+        (same script); :class:`LeaseLost` if the claim is no longer ``owner``'s."""
+        args: tuple[Any, ...] = (owner, _ms(keep_for), *_optional(result))
+        script = self._complete
+        if sends:
+            script = self._complete_sends
+            args = (*args, self._index, json.dumps(list(sends)), key)
+        if not int(self._run("complete", script, key, args)):
             raise LeaseLost(key, "complete")
 
     def release(self, key: str, owner: str | None) -> None:
         """Delete ``owner``'s claim (fenced), or with ``owner=None`` whatever is recorded."""
         if owner is None:
-            self._call("release", key, lambda: self._client.delete(self._key(key)))
+
+            def delete() -> None:
+                pipe = self._client.pipeline(transaction=True)
+                pipe.delete(self._key(key))
+                pipe.zrem(self._index, key)  # its pending sends go with it
+                pipe.execute()
+
+            self._call("release", key, delete)
             return
         if not int(self._run("release", self._release, key, (owner,))):
             raise LeaseLost(key, "release")
@@ -643,10 +840,47 @@ class RedisStore(Store):
         if not int(self._run("renew", self._renew, key, (owner, _ms(lease)))):
             raise LeaseLost(key, "renew")
 
-    def mark(self, key: str, keep_for: float, fingerprint: str | None, result: str | None) -> bool:
-        """Record ``key`` as handled for ``keep_for`` seconds; False when a live record exists."""
-        args = (_ms(keep_for), *_optional(fingerprint), *_optional(result))
-        return bool(int(self._run("mark", self._mark, key, args)))
+    def mark(
+        self,
+        key: str,
+        keep_for: float,
+        fingerprint: str | None,
+        result: str | None,
+        sends: Sequence[str] = (),
+        token: str = "",
+    ) -> bool:
+        """Record ``key`` as handled for ``keep_for`` seconds, with ``sends`` pending (same
+        script); False when a live record exists."""
+        args: tuple[Any, ...] = (_ms(keep_for), *_optional(fingerprint), *_optional(result))
+        script = self._mark
+        if sends:
+            script = self._mark_sends
+            args = (*args, self._index, json.dumps(list(sends)), key, token)
+        return bool(int(self._run("mark", script, key, args)))
+
+    def take_sends(self, key: str, token: str, lease: float, older_than: float = 0.0) -> SendLease:
+        """Take the dispatch lease of ``key``'s pending sends (one script, Redis clock)."""
+        args = (token, _ms(lease), round(older_than * 1000), self._index, key)
+        reply = self._run("take_sends", self._take_sends, key, args)
+        if isinstance(reply, list):
+            return SendLease(retry_after=int(reply[0]) / 1000.0)
+        text = _text(reply) if not isinstance(reply, int) else None
+        return SendLease(tuple(json.loads(text))) if text else SendLease()
+
+    def dispatched(self, key: str, token: str) -> bool:
+        """Clear ``key``'s pending sends if ``token`` still holds them (one script)."""
+        return bool(
+            int(self._run("dispatched", self._dispatched_script, key, (token, self._index, key)))
+        )
+
+    def pending_sends(self, older_than: float = 0.0, limit: int = 100) -> list[str]:
+        """Keys with sends pending for at least ``older_than`` s, from the index (one script)."""
+        call = self._trips.run(self._pending, self._index, (round(older_than * 1000), limit))
+        if call.error is not None:
+            if _cannot_answer(call.error):
+                self._unavailable("pending_sends", None, call.error)
+            raise call.error
+        return [_text(name) or "" for name in call.reply]
 
     def get(self, key: str) -> Record | None:
         """The live record of ``key`` with ``lease_remaining`` by the Redis clock, or None."""
@@ -679,6 +913,7 @@ class RedisStore(Store):
                 "in_progress": counts["in_progress"],
                 "completed": counts["completed"],
                 "expired": 0,
+                "sends_pending": int(self._client.zcard(self._index)),
             }
 
         return self._call("stats", None, count)
@@ -695,8 +930,45 @@ class RedisStore(Store):
             text = _text(status)
             if text == "i":
                 counts["in_progress"] += 1
-            elif text == "c":
+            elif text in ("c", "p"):
                 counts["completed"] += 1
+
+    def records(self, key_prefix: str = "") -> Iterator[Record]:
+        """The live records of this prefix whose key starts with ``key_prefix``: ``SCAN MATCH``
+        and one pipelined ``HMGET`` per batch of 1000 keys, judged by the Redis clock."""
+        pattern = _GLOB_SPECIAL.sub(r"\\\1", f"{self._prefix}:{key_prefix}") + "*"
+        skip = len(self._prefix) + 1
+        fields = ("st", "ow", "fp", "rs", "ca", "lu", "ex")
+
+        def batches() -> Iterator[list[Record]]:
+            names: list[Any] = []
+            for name in self._client.scan_iter(match=pattern, count=1000):
+                names.append(name)
+                if len(names) >= 1000:
+                    yield self._records_of(names, fields, skip)
+                    names = []
+            yield self._records_of(names, fields, skip)
+
+        found = self._call("records", None, lambda: [r for b in batches() for r in b])
+        return iter(found)
+
+    def _records_of(self, names: list[Any], fields: tuple[str, ...], skip: int) -> list[Record]:
+        if not names:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        pipe.time()
+        for name in names:
+            pipe.hmget(name, fields)
+        (seconds, micros), *replies = pipe.execute(raise_on_error=False)
+        now = int(seconds) * 1000 + int(micros) // 1000
+        found = []
+        for name, values in zip(names, replies, strict=True):
+            if isinstance(values, Exception) or _text(values[0]) not in _STATUS:
+                continue  # gone meanwhile, or a foreign key under our prefix
+            if int(_text(values[6]) or 0) <= now:
+                continue
+            found.append(self._record(_text(name)[skip:], [now, *values]))  # type: ignore[index]
+        return found
 
     def close(self) -> None:
         """Disconnect the connection pool this store opened (a caller's ``client`` is left
@@ -708,6 +980,97 @@ class RedisStore(Store):
     def describe(self) -> str:
         """``RedisStore <url without password> prefix=<prefix>``."""
         return f"RedisStore {self._url} prefix={self._prefix}"
+
+
+# Connection parameters that take Python objects (callbacks, classes, retry policies, exception
+# lists, socket constants), which a URL's text cannot give: redis-py would take the name and
+# fail on the first connection, or misread the text (``retry_on_error`` becomes a list of
+# letters).
+_NOT_FROM_TEXT = frozenset(
+    {
+        "retry_on_error",
+        "socket_type",
+        "command_packer",
+        "credential_provider",
+        "driver_info",
+        "event_dispatcher",
+        "himport_registry",
+        "maint_notifications_config",
+        "maint_notifications_pool_handler",
+        "maintenance_notification_hash",
+        "maintenance_state",
+        "orig_host_address",
+        "orig_socket_connect_timeout",
+        "orig_socket_timeout",
+        "oss_cluster_maint_notifications_handler",
+        "parser_class",
+        "redis_connect_func",
+        "retry",
+        "socket_keepalive_options",
+        "ssl_ocsp_context",
+    }
+)
+
+_CONNECTION_CLASSES: dict[str, type[Any]] = {
+    "redis": redis.connection.Connection,
+    "rediss": redis.connection.SSLConnection,
+    "unix": redis.connection.UnixDomainSocketConnection,
+}
+
+
+@functools.cache
+def _driver_options(scheme: str) -> frozenset[str]:
+    """The query options redis-py's ``from_url`` can hand to the connection of ``scheme``: the named
+    parameters of its ``__init__`` and of the bases it passes ``**kwargs`` on to, plus the
+    pool's ``max_connections``; the same set that decides whether redis-py raises TypeError."""
+    names = {"max_connections"}
+    for cls in _CONNECTION_CLASSES[scheme].__mro__:
+        if "__init__" not in vars(cls):
+            continue
+        parameters = inspect.signature(vars(cls)["__init__"]).parameters.values()
+        names.update(
+            p.name
+            for p in parameters
+            if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        )
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    return frozenset(names - _NOT_FROM_TEXT)
+
+
+_PLAIN = _driver_options("redis")
+
+
+def _take_prefix(url: str) -> tuple[str, str | None]:
+    """``url`` without its ``prefix`` query option, and that option's value; ConfigError for a
+    query option that neither taskonce nor redis-py takes. URLs of other schemes are returned
+    unchanged (``RedisStore._open`` refuses them)."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    head, mark, tail = url.partition("?")
+    if scheme not in _CONNECTION_CLASSES or not mark:
+        return url, None
+    query, hash_mark, fragment = tail.partition("#")
+    safe = _safe_url(url)
+    pairs = parse_qsl(query, keep_blank_values=True)
+    values = single_values("RedisStore", safe, pairs)
+    if scheme == "redis":
+        tls = sorted(set(values) & (_driver_options("rediss") - _PLAIN))
+        if tls:
+            raise ConfigError(
+                f"RedisStore url {safe!r}: query option {tls[0]!r} is a TLS option; "
+                "TLS needs a rediss:// URL"
+            )
+    check_names(
+        "RedisStore",
+        safe,
+        values,
+        own=("prefix",),
+        driver=f"redis-py ({scheme}://)",
+        accepted=_driver_options(scheme),
+    )
+    prefix = values.pop("prefix", None)
+    rest = f"?{urlencode(list(values.items()))}" if values else ""
+    return f"{head}{rest}{hash_mark}{fragment}", prefix
 
 
 __all__ = ["RedisStore"]

@@ -21,14 +21,24 @@ The table::
     fingerprint  VARCHAR(64)  NULL
     result       TEXT         NULL           -- LONGTEXT on MariaDB/MySQL
     created_at   DOUBLE       NOT NULL       -- seconds since the epoch, database clock
-    lease_until  DOUBLE       NOT NULL       -- 0 for marks
+    lease_until  DOUBLE       NOT NULL       -- kept by a completion; 0 for lazy marks
     expires_at   DOUBLE       NOT NULL       -- indexed: purge deletes by it
+    worker       VARCHAR(255) NULL           -- the claim owner's worker identity
+
+and, next to it, the worker processes' liveness records (``<table>_live``)::
+
+    worker       VARCHAR(255) PRIMARY KEY
+    seen_at      DOUBLE       NOT NULL       -- last liveness write, database clock
+    alive_until  DOUBLE       NOT NULL       -- seen_at + the liveness window
+
+A keys table created before the ``worker`` column existed gains it on first use.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import re
@@ -36,7 +46,7 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 try:
@@ -55,7 +65,19 @@ except ImportError as _exc:  # pragma: no cover - depends on the installation
     ) from _exc
 
 from ..errors import ConfigError, InvalidInput, LeaseLost, StoreUnavailable
-from .base import MAX_KEY_LENGTH, Claim, ClaimOutcome, Record, Status, Store
+from .base import (
+    LIVENESS_RETENTION,
+    MAX_KEY_LENGTH,
+    MAX_WORKER_LENGTH,
+    Claim,
+    ClaimOutcome,
+    Record,
+    Seen,
+    SendLease,
+    Status,
+    Store,
+)
+from .options import check_names, own_value
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +125,8 @@ _SQLITE_UPSERT = (3, 24, 0)
 
 _IN_PROGRESS = Status.IN_PROGRESS.value
 _COMPLETED = Status.COMPLETED.value
+#: the status column of a completed record whose deferred sends are not all published
+_SENDING = "sending"
 
 
 def _parse_url(url: str) -> URL:
@@ -140,12 +164,113 @@ def _parse_table(table: str) -> tuple[str | None, str]:
     return match.group("schema"), match.group("name")
 
 
+#: sqlite3's own ``connect()`` options that SQLAlchemy takes from the URL, and the options of an
+#: SQLite URI filename (``sqlite:///file:path.db?mode=ro&uri=true``).
+_SQLITE_OPTIONS = frozenset({"uri", "timeout", "detect_types", "cached_statements"})
+_SQLITE_URI_OPTIONS = frozenset({"vfs", "mode", "cache", "psow", "nolock", "immutable"})
+
+#: PyMySQL ``connect()`` parameters a URL's text cannot give (Python objects) and the TLS
+#: options SQLAlchemy gathers into PyMySQL's ``ssl`` dict.
+_PYMYSQL_OBJECTS = frozenset({"conv", "cursorclass", "auth_plugin_map", "ssl", "defer_connect"})
+_SQLALCHEMY_MYSQL_TLS = frozenset({"ssl_capath", "ssl_cipher", "ssl_check_hostname"})
+
+#: Options the store sets itself, and why a URL may not.
+_MANAGED = {
+    "sqlite": {
+        "isolation_level": "the store runs its own statements in autocommit and opens "
+        "transactions itself",
+        "check_same_thread": "the store shares connections between threads",
+    },
+    "mysql": {"autocommit": "the store runs its own statements in autocommit"},
+    "postgresql": {},
+}
+
+
+def _driver_options(url: URL, family: str, query: Mapping[str, Any]) -> tuple[str, Any]:
+    """Who takes ``url``'s driver options and their names (None when the driver is not one
+    taskonce knows, so they pass through unchecked). Found without connecting: libpq's
+    keywords from psycopg's ``PQconndefaults``, PyMySQL's ``connect()`` signature, sqlite3's
+    ``connect()`` and URI options."""
+    driver = url.get_driver_name()
+    if family == "postgresql" and driver in ("psycopg", "psycopg2"):
+        try:
+            from psycopg import pq
+        except ImportError:
+            return f"libpq ({driver})", None
+        return "libpq", frozenset(option.keyword.decode() for option in pq.Conninfo.get_defaults())
+    if family == "mysql" and driver == "pymysql":
+        import inspect
+
+        import pymysql.connections
+
+        parameters = inspect.signature(pymysql.connections.Connection.__init__).parameters
+        names = set(parameters) - {"self"} - _PYMYSQL_OBJECTS
+        return "PyMySQL", frozenset(names | _SQLALCHEMY_MYSQL_TLS)
+    if family == "sqlite" and driver == "pysqlite":
+        uri = str(query.get("uri", "")).lower() in ("1", "true", "yes", "on")
+        return "sqlite3", _SQLITE_OPTIONS | (_SQLITE_URI_OPTIONS if uri else frozenset())
+    return driver, None
+
+
+def _take_table(url: URL, family: str) -> tuple[URL, str | None]:
+    """``url`` without its ``table`` query option, and that option's value; ConfigError for a
+    query option that neither taskonce nor the driver takes, or one given twice."""
+    redacted = url.render_as_string(hide_password=True)
+    query = dict(url.query)
+    for name, value in query.items():
+        if isinstance(value, tuple):
+            raise ConfigError(f"SQLStore url {redacted!r}: query option {name!r} is given twice")
+    driver, accepted = _driver_options(url, family, query)
+    if family == "sqlite" and accepted is not None:
+        uri_only = sorted(set(query) & (_SQLITE_URI_OPTIONS - accepted))
+        if uri_only:
+            raise ConfigError(
+                f"SQLStore url {redacted!r}: query option {uri_only[0]!r} is an SQLite URI "
+                "option; it needs a URI filename: sqlite:///file:path.db?…&uri=true"
+            )
+    check_names(
+        "SQLStore",
+        redacted,
+        query,
+        own=("table",),
+        driver=driver,
+        accepted=accepted,
+        managed=_MANAGED[family],
+    )
+    table = query.get("table")
+    return url.difference_update_query(["table"]), None if table is None else str(table)
+
+
 def _index_name(name: str) -> str:
     candidate = f"ix_{name}_expires_at"
     if len(candidate) <= 63:
         return candidate
     digest = hashlib.sha1(name.encode(), usedforsecurity=False).hexdigest()[:8]
     return f"ix_{name[:40]}_{digest}_expires_at"
+
+
+def _live_name(name: str) -> str:
+    """The liveness table's name next to keys table ``name`` (at most 63 characters)."""
+    candidate = f"{name}_live"
+    if len(candidate) <= 63:
+        return candidate
+    digest = hashlib.sha1(name.encode(), usedforsecurity=False).hexdigest()[:8]
+    return f"{name[:45]}_{digest}_live"
+
+
+def _make_live_table(
+    metadata: sa.MetaData, name: str, schema: str | None, **dialect_kw: Any
+) -> sa.Table:
+    """The liveness table of keys table ``name``."""
+    return sa.Table(
+        _live_name(name),
+        metadata,
+        sa.Column("worker", sa.String(MAX_WORKER_LENGTH), primary_key=True),
+        sa.Column("seen_at", sa.Double(), nullable=False),
+        sa.Column("alive_until", sa.Double(), nullable=False),
+        schema=schema,
+        **dialect_kw,
+    )
 
 
 def _make_table(
@@ -164,10 +289,17 @@ def _make_table(
         sa.Column("created_at", sa.Double(), nullable=False),
         sa.Column("lease_until", sa.Double(), nullable=False),
         sa.Column("expires_at", sa.Double(), nullable=False),
+        sa.Column("worker", sa.String(MAX_WORKER_LENGTH), nullable=True),
+        # The hand-off: sends recorded with the outcome (status "sending" until published).
+        sa.Column("sends", result_type, nullable=True),  # JSON array of the sends' JSON texts
+        sa.Column("sends_token", sa.String(MAX_TOKEN_LENGTH), nullable=True),
+        sa.Column("sends_at", sa.Double(), nullable=True),
+        sa.Column("sends_lease", sa.Double(), nullable=True),
         schema=schema,
         **dialect_kw,
     )
     sa.Index(_index_name(name), table.c.expires_at)
+    sa.Index(_index_name(name).replace("expires_at", "sends_at"), table.c.sends_at)
     return table
 
 
@@ -205,7 +337,9 @@ class _Statements:
     """The statements of one table on one dialect family, built once and cached by
     SQLAlchemy's compiled cache (every value is a bound parameter)."""
 
-    def __init__(self, table: sa.Table, family: str, sqlite_upsert: bool) -> None:
+    def __init__(
+        self, table: sa.Table, live_table: sa.Table, family: str, sqlite_upsert: bool
+    ) -> None:
         c = table.c
         self.family = family
         now: sa.ColumnElement[float] = sa.literal_column(_NOW_SQL[family], type_=sa.Double())
@@ -219,36 +353,46 @@ class _Statements:
         keep = sa.bindparam("p_keep", type_=dbl)
         seen_owner = sa.bindparam("p_seen_owner", type_=sa.String())
         seen_status = sa.bindparam("p_seen_status", type_=sa.String())
+        worker = sa.bindparam("p_worker", type_=sa.String())
         in_progress = sa.literal(_IN_PROGRESS, sa.String())
         completed = sa.literal(_COMPLETED, sa.String())
+        sending = sa.literal(_SENDING, sa.String())
         zero = sa.literal(0.0, dbl)
+        sends = sa.bindparam("p_sends", type_=sa.Text())
+        token = sa.bindparam("p_token", type_=sa.String())
+        age = sa.bindparam("p_age", type_=dbl)
+        with_sends = {"status": sending, "sends": sends, "sends_token": token, "sends_at": now}
 
         self.lease_remaining = sa.case(
             (sa.and_(c.status == in_progress, c.lease_until > now), c.lease_until - now),
             else_=zero,
         )
 
-        def insert_if_absent(values: Mapping[str, Any]) -> sa.Insert:
+        def insert_if_absent_into(into: sa.Table, values: Mapping[str, Any]) -> sa.Insert:
             # The cursor of an INSERT without RETURNING is closed at once; its rowcount (1 =
             # inserted, 0 = a record was in the way) must be kept explicitly.
-            return _insert_if_absent(values).execution_options(preserve_rowcount=True)
+            return _insert_if_absent(into, values).execution_options(preserve_rowcount=True)
 
-        def _insert_if_absent(values: Mapping[str, Any]) -> sa.Insert:
+        def insert_if_absent(values: Mapping[str, Any]) -> sa.Insert:
+            return insert_if_absent_into(table, values)
+
+        def _insert_if_absent(into: sa.Table, values: Mapping[str, Any]) -> sa.Insert:
+            primary = list(into.primary_key.columns)
             if family == "postgresql":
                 return (
-                    pg_dialect.insert(table)
+                    pg_dialect.insert(into)
                     .values(values)
-                    .on_conflict_do_nothing(index_elements=[c.key])
+                    .on_conflict_do_nothing(index_elements=primary)
                 )
             if family == "sqlite" and sqlite_upsert:
                 return (
-                    sqlite_dialect.insert(table)
+                    sqlite_dialect.insert(into)
                     .values(values)
-                    .on_conflict_do_nothing(index_elements=[c.key])
+                    .on_conflict_do_nothing(index_elements=primary)
                 )
             if family == "sqlite":
-                return sa.insert(table).values(values).prefix_with("OR IGNORE")
-            return sa.insert(table).values(values).prefix_with("IGNORE")
+                return sa.insert(into).values(values).prefix_with("OR IGNORE")
+            return sa.insert(into).values(values).prefix_with("IGNORE")
 
         # -- claim --------------------------------------------------------------------------
         self.claim_insert = insert_if_absent(
@@ -261,6 +405,7 @@ class _Statements:
                 "created_at": now,
                 "lease_until": now + lease,
                 "expires_at": now + lease + keep,
+                "worker": worker,
             }
         )
         self.read = sa.select(
@@ -274,6 +419,7 @@ class _Statements:
             c.lease_until,
             self.lease_remaining.label("lease_remaining"),
             now.label("db_now"),
+            c.worker,
         ).where(c.key == k)
         # An expired record (mark or claim) counts as absent: replace it wholesale, provided
         # it is still the record that was read and still expired.
@@ -293,6 +439,7 @@ class _Statements:
                 created_at=now,
                 lease_until=now + lease,
                 expires_at=now + lease + keep,
+                worker=worker,
             )
         )
         # A live record whose claim's lease ran out: take it over (created_at is kept).
@@ -311,8 +458,42 @@ class _Statements:
                 result=sa.null(),
                 lease_until=now + lease,
                 expires_at=now + lease + keep,
+                worker=worker,
             )
         )
+        # A live claim whose owner is known dead: hand it on, fenced by the owner read.
+        self.take_over = (
+            sa.update(table)
+            .where(
+                c.key == k,
+                c.status == in_progress,
+                c.owner == seen_owner,
+                c.expires_at > now,
+            )
+            .values(
+                owner=owner,
+                worker=worker,
+                lease_until=now + lease,
+                expires_at=now + lease + keep,
+            )
+        )
+
+        # -- liveness -----------------------------------------------------------------------
+        lc = live_table.c
+        ttl = sa.bindparam("p_ttl", type_=dbl)
+        self.beat_update = (
+            sa.update(live_table)
+            .where(lc.worker == worker)
+            .values(seen_at=now, alive_until=now + ttl)
+        )
+        self.beat_insert = insert_if_absent_into(
+            live_table, {"worker": worker, "seen_at": now, "alive_until": now + ttl}
+        )
+        self.seen = sa.select(
+            (now - lc.seen_at).label("ago"), (lc.alive_until - now).label("remaining")
+        ).where(lc.worker == worker)
+        retention = sa.literal(LIVENESS_RETENTION, dbl)
+        self.purge_live = sa.delete(live_table).where(lc.alive_until + retention <= now)
 
         # -- fenced writes ------------------------------------------------------------------
         fence = (
@@ -325,13 +506,15 @@ class _Statements:
             sa.update(table)
             .where(*fence)
             .values(
+                # lease_until stays: it tells an eager completion from a lazy mark (0)
                 status=completed,
                 owner=sa.null(),
+                worker=sa.null(),
                 result=result,
                 expires_at=now + keep,
-                lease_until=zero,
             )
         )
+        self.complete_sends = self.complete.values(with_sends)
         self.release = sa.delete(table).where(*fence)
         self.release_any = sa.delete(table).where(c.key == k)
         # MariaDB/MySQL evaluate SET assignments left to right, seeing earlier assignments:
@@ -370,7 +553,52 @@ class _Statements:
                 created_at=now,
                 lease_until=zero,
                 expires_at=now + keep,
+                worker=sa.null(),
             )
+        )
+        self.mark_insert_sends = insert_if_absent(
+            {
+                "key": k,
+                "status": sending,
+                "owner": sa.null(),
+                "fingerprint": fp,
+                "result": result,
+                "created_at": now,
+                "lease_until": zero,
+                "expires_at": now + keep,
+                "sends": sends,
+                "sends_token": token,
+                "sends_at": now,
+            }
+        )
+        self.mark_replace_expired_sends = self.mark_replace_expired.values(with_sends)
+
+        # -- the hand-off -------------------------------------------------------------------
+        pending = sa.and_(c.key == k, c.status == sending, c.sends_at <= now - age)
+        self.take_sends = (
+            sa.update(table)
+            .where(pending, sa.or_(c.sends_lease.is_(None), c.sends_lease <= now))
+            .values(sends_token=token, sends_lease=now + lease)
+        )
+        self.read_sends = sa.select(
+            c.sends, c.sends_token, sa.func.coalesce(c.sends_lease, zero) - now
+        ).where(pending)
+        self.dispatched = (
+            sa.update(table)
+            .where(c.key == k, c.status == sending, c.sends_token == token)
+            .values(
+                status=completed,
+                sends=sa.null(),
+                sends_token=sa.null(),
+                sends_at=sa.null(),
+                sends_lease=sa.null(),
+            )
+        )
+        self.pending = (
+            sa.select(c.key)
+            .where(c.status == sending, c.sends_at <= now - age)
+            .order_by(c.sends_at)
+            .limit(sa.bindparam("p_limit", type_=sa.Integer()))
         )
         live = sa.case((c.expires_at > now, 1), else_=0).label("live")
         self.liveness = sa.select(live).where(c.key == k)
@@ -381,7 +609,7 @@ class _Statements:
         )
 
         # -- reads --------------------------------------------------------------------------
-        self.get = sa.select(
+        record_columns = (
             c.key,
             c.status,
             c.owner,
@@ -390,7 +618,16 @@ class _Statements:
             c.created_at,
             c.expires_at,
             self.lease_remaining.label("lease_remaining"),
-        ).where(c.key == k, c.expires_at > now)
+            c.worker,
+            c.lease_until,
+            c.sends,
+        )
+        self.get = sa.select(*record_columns).where(c.key == k, c.expires_at > now)
+        # p_pattern: a LIKE pattern with "/" as its escape character (see SQLStore.records)
+        pattern = sa.bindparam("p_pattern", type_=sa.String())
+        self.records = sa.select(*record_columns).where(
+            c.key.like(pattern, escape="/"), c.expires_at > now
+        )
 
         def count(condition: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
             return sa.func.coalesce(sa.func.sum(sa.case((condition, 1), else_=0)), 0)
@@ -399,8 +636,9 @@ class _Statements:
         self.stats = sa.select(
             count(alive).label("keys"),
             count(sa.and_(alive, c.status == in_progress)).label("in_progress"),
-            count(sa.and_(alive, c.status == completed)).label("completed"),
+            count(sa.and_(alive, c.status != in_progress)).label("completed"),
             count(c.expires_at <= now).label("expired"),
+            count(c.status == sending).label("sends_pending"),
         )
         self._table = table
 
@@ -408,7 +646,8 @@ class _Statements:
         """Delete at most ``batch`` expired rows (the expiry is re-checked on the deleted rows,
         so a row re-claimed meanwhile survives)."""
         c = self._table.c
-        expired = c.expires_at <= self.now
+        # A record whose sends are pending is kept until the relay publishes them.
+        expired = sa.and_(c.expires_at <= self.now, c.status != _SENDING)
         if self.family == "mysql":
             # MariaDB/MySQL refuse LIMIT inside IN (subquery) but allow DELETE … LIMIT, which
             # SQLAlchemy spells differently across 2.0.x/2.1; the identifiers are validated
@@ -418,7 +657,8 @@ class _Statements:
             return (
                 sa.text(
                     f"DELETE FROM {table_sql} "  # noqa: S608 - no value is interpolated
-                    f"WHERE {preparer.quote('expires_at')} <= {_NOW_SQL['mysql']} LIMIT :p_batch"
+                    f"WHERE {preparer.quote('expires_at')} <= {_NOW_SQL['mysql']} "
+                    f"AND {preparer.quote('status')} <> '{_SENDING}' LIMIT :p_batch"
                 )
                 .bindparams(sa.bindparam("p_batch", value=batch, type_=sa.Integer()))
                 .execution_options(preserve_rowcount=True)
@@ -448,7 +688,12 @@ class SQLStore(Store):
     :param url: an SQLAlchemy URL: ``postgresql+psycopg://…``, ``mysql+pymysql://…``,
         ``mariadb+pymysql://…``, ``sqlite:///path.db``. ``postgresql://`` and ``postgres://``
         mean psycopg 3, ``mysql://`` and ``mariadb://`` mean PyMySQL.
-    :param table: the table's name, optionally ``schema.table``.
+        Query options: ``table`` (taskonce's own, as the argument below) and the driver's
+        (libpq's ``sslmode``, ``connect_timeout``, …; PyMySQL's ``ssl_ca``, ``read_timeout``,
+        …; sqlite3's ``timeout``, ``uri``), passed through; any other name is a
+        :class:`~taskonce.errors.ConfigError`.
+    :param table: the table's name, optionally ``schema.table``; also ``?table=`` in the URL.
+        Default ``taskonce_keys``.
     :param create: create the table (and its index) if missing, on first use.
     :param engine_options: extra keyword arguments for :func:`sqlalchemy.create_engine`
         (``pool_size``, ``pool_pre_ping``, ``connect_args`` merged over the defaults, …). The
@@ -462,12 +707,14 @@ class SQLStore(Store):
         self,
         url: str,
         *,
-        table: str = DEFAULT_TABLE,
+        table: str | None = None,
         create: bool = True,
         engine_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self._url = _parse_url(url)
-        self._family = _FAMILIES[self._url.get_backend_name()]
+        parsed = _parse_url(url)
+        self._family = _FAMILIES[parsed.get_backend_name()]
+        self._url, url_table = _take_table(parsed, self._family)
+        table = own_value("SQLStore", "table", url_table, table, DEFAULT_TABLE)
         self._schema, self._table_name = _parse_table(table)
         self._table_label = table
         self._redacted = self._url.render_as_string(hide_password=True)
@@ -478,12 +725,13 @@ class SQLStore(Store):
         self._ready = not create
         self._metadata = sa.MetaData()
         self._table = _make_table(self._metadata, self._table_name, self._schema)
+        self._live_table = _make_live_table(self._metadata, self._table_name, self._schema)
         upsert = sqlite3.sqlite_version_info >= _SQLITE_UPSERT
         if self._family == "sqlite" and not upsert:
             logger.info(
                 "SQLite %s predates ON CONFLICT; using INSERT OR IGNORE", sqlite3.sqlite_version
             )
-        self._sql = _Statements(self._table, self._family, upsert)
+        self._sql = _Statements(self._table, self._live_table, self._family, upsert)
         self._engine = self._make_engine(autocommit=True)
         self._tx_engine: Engine | None = None
         ref = weakref.ref(self)
@@ -511,7 +759,8 @@ class SQLStore(Store):
                     if name not in query:
                         connect_args[name] = _MYSQL_IO_TIMEOUT
         elif self._family == "sqlite":
-            connect_args["timeout"] = _SQLITE_BUSY_TIMEOUT
+            if "timeout" not in query:
+                connect_args["timeout"] = _SQLITE_BUSY_TIMEOUT
             connect_args["check_same_thread"] = False
         connect_args.update(user_connect_args)
         if self._family != "sqlite":
@@ -527,7 +776,13 @@ class SQLStore(Store):
             options["isolation_level"] = user_isolation
         try:
             engine = sa.create_engine(self._url, connect_args=connect_args, **options)
-        except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, ImportError, TypeError) as exc:
+        except (
+            sa_exc.ArgumentError,
+            sa_exc.NoSuchModuleError,
+            ImportError,
+            TypeError,
+            ValueError,  # a driver option's value of the wrong type (read_timeout=soon)
+        ) as exc:
             raise ConfigError(
                 f"store URL {self._redacted!r}: cannot build an engine: {exc}"
             ) from None
@@ -624,50 +879,98 @@ class SQLStore(Store):
     def _create_tables(self, operation: str) -> bool:
         created = False
         with self._errors(operation), self._engine.connect() as connection:
-            for attempt in range(4):
-                inspector = sa.inspect(connection)
-                if inspector.has_table(self._table_name, schema=self._schema):
-                    break
-                metadata = sa.MetaData()
-                dialect_kw: dict[str, Any] = {}
-                if self._family == "mysql":
-                    collation = _mysql_collation(connection)
-                    prefix = self._url.get_backend_name()
-                    dialect_kw = {
-                        f"{prefix}_engine": "InnoDB",
-                        f"{prefix}_charset": "utf8mb4",
-                        f"{prefix}_collate": collation,
-                    }
-                table = _make_table(metadata, self._table_name, self._schema, **dialect_kw)
-                try:
-                    metadata.create_all(connection, tables=[table], checkfirst=True)
-                except sa_exc.DBAPIError as exc:
-                    # Another process may have created it between the check and the CREATE.
-                    if exc.connection_invalidated or attempt == 3:
-                        raise
-                    logger.debug("creating %s raced (%s); checking again", self._table_label, exc)
-                    time.sleep(0.05 * (attempt + 1))
-                    continue
-                created = True
-                logger.info("created table %s in %s", self._table_label, self._redacted)
-                break
+            for make in (_make_table, _make_live_table):
+                created = self._create_table(connection, make) or created
+            self._add_missing_columns(connection)
         self._ready = True
         return created
+
+    def _create_table(self, connection: Connection, make: Any) -> bool:
+        """Create the table ``make`` builds unless it exists; True when this call created it."""
+        for attempt in range(4):
+            metadata = sa.MetaData()
+            dialect_kw: dict[str, Any] = {}
+            if self._family == "mysql":
+                collation = _mysql_collation(connection)
+                prefix = self._url.get_backend_name()
+                dialect_kw = {
+                    f"{prefix}_engine": "InnoDB",
+                    f"{prefix}_charset": "utf8mb4",
+                    f"{prefix}_collate": collation,
+                }
+            table = make(metadata, self._table_name, self._schema, **dialect_kw)
+            if sa.inspect(connection).has_table(table.name, schema=self._schema):
+                return False
+            try:
+                metadata.create_all(connection, tables=[table], checkfirst=True)
+            except sa_exc.DBAPIError as exc:
+                # Another process may have created it between the check and the CREATE.
+                if exc.connection_invalidated or attempt == 3:
+                    raise
+                logger.debug("creating %s raced (%s); checking again", table.name, exc)
+                time.sleep(0.05 * (attempt + 1))
+                continue
+            logger.info("created table %s in %s", table.name, self._redacted)
+            return True
+        return False
+
+    def _add_missing_columns(self, connection: Connection) -> None:
+        """A keys table created by an earlier version gets its newer columns (the owner's
+        worker identity, the hand-off's) and their indexes added."""
+        inspector = sa.inspect(connection)
+        present = {c["name"] for c in inspector.get_columns(self._table_name, schema=self._schema)}
+        missing = [c for c in self._table.columns if c.name not in present]
+        if not missing:
+            return
+        preparer = connection.dialect.identifier_preparer
+        table_sql = preparer.format_table(self._table)
+        for column in missing:
+            if not column.nullable:  # only the newer, nullable columns can be added in place
+                raise ConfigError(
+                    f"table {self._table_label} has no column {column.name!r}; it was not made "
+                    "by taskonce"
+                )
+            ddl = column.type.compile(dialect=connection.dialect)
+            try:
+                connection.exec_driver_sql(
+                    f"ALTER TABLE {table_sql} ADD COLUMN {preparer.quote(column.name)} {ddl}"
+                )
+            except sa_exc.DBAPIError:
+                # another process added it meanwhile (it is there now) or the ALTER failed
+                fresh = sa.inspect(connection).get_columns(self._table_name, schema=self._schema)
+                if column.name not in {c["name"] for c in fresh}:
+                    raise
+        for index in self._table.indexes:
+            if any(c in missing for c in index.columns):
+                index.create(connection, checkfirst=True)
+        logger.info(
+            "added the column(s) %s to %s",
+            ", ".join(c.name for c in missing),
+            self._table_label,
+        )
 
     # -- Store -------------------------------------------------------------------------------
 
     def claim(
-        self, key: str, owner: str, lease: float, keep_for: float, fingerprint: str | None
+        self,
+        key: str,
+        owner: str,
+        lease: float,
+        keep_for: float,
+        fingerprint: str | None,
+        worker: str | None = None,
     ) -> Claim:
         _check_key(key)
         _check_token("owner", owner)
         _check_token("fingerprint", fingerprint)
+        _check_worker(worker)
         params = {
             "p_key": key,
             "p_owner": owner,
             "p_fingerprint": fingerprint,
             "p_lease": float(lease),
             "p_keep": float(keep_for),
+            "p_worker": worker,
         }
         sql = self._sql
         with self._connect("claim") as connection:
@@ -677,7 +980,7 @@ class SQLStore(Store):
                 row = connection.execute(sql.read, {"p_key": key}).one_or_none()
                 if row is None:  # released or purged in between: insert again
                     continue
-                (_, status, seen_owner, seen_fp, _, _, expires_at, lease_until, _, now) = row
+                (_, status, seen_owner, seen_fp, _, _, expires_at, lease_until, _, now) = row[:10]
                 if float(expires_at) <= float(now):
                     seen = {**params, "p_seen_owner": seen_owner, "p_seen_status": status}
                     if _rowcount(connection.execute(sql.claim_replace_expired, seen)) == 1:
@@ -697,11 +1000,73 @@ class SQLStore(Store):
             f"writers ({_RACE_ATTEMPTS} attempts)"
         )
 
-    def complete(self, key: str, owner: str, keep_for: float, result: str | None) -> None:
-        params = {"p_key": key, "p_owner": owner, "p_keep": float(keep_for), "p_result": result}
+    def take_over(
+        self, key: str, old_owner: str, owner: str, lease: float, keep_for: float, worker: str
+    ) -> bool:
+        _check_token("owner", owner)
+        _check_worker(worker)
+        params = {
+            "p_key": key,
+            "p_seen_owner": old_owner,
+            "p_owner": owner,
+            "p_lease": float(lease),
+            "p_keep": float(keep_for),
+            "p_worker": worker,
+        }
+        with self._connect("take_over") as connection:
+            return _rowcount(connection.execute(self._sql.take_over, params)) == 1
+
+    def beat(self, worker: str, ttl: float) -> None:
+        """One UPDATE; the first beat of a worker also INSERTs its row."""
+        _check_worker(worker)
+        params = {"p_worker": worker, "p_ttl": float(ttl)}
+        sql = self._sql
+        with self._connect("beat") as connection:
+            for _ in range(_RACE_ATTEMPTS):
+                if _rowcount(connection.execute(sql.beat_update, params)) == 1:
+                    return
+                if _rowcount(connection.execute(sql.beat_insert, params)) == 1:
+                    return
+        raise StoreUnavailable(
+            f"SQL store {self._redacted}: liveness write of {worker!r} kept losing races"
+        )
+
+    def seen(self, worker: str) -> Seen | None:
+        with self._connect("seen") as connection:
+            row = connection.execute(self._sql.seen, {"p_worker": worker}).one_or_none()
+        if row is None:
+            return None
+        ago, remaining = float(row.ago), float(row.remaining)
+        if remaining + LIVENESS_RETENTION <= 0:
+            return None
+        return Seen(ago=max(0.0, ago), remaining=max(0.0, remaining))
+
+    def complete(
+        self,
+        key: str,
+        owner: str,
+        keep_for: float,
+        result: str | None,
+        sends: Sequence[str] = (),
+    ) -> None:
         with self._connect("complete") as connection:
-            count = _rowcount(connection.execute(self._sql.complete, params))
-        if count != 1:
+            self._complete(connection, key, owner, keep_for, result, sends)
+
+    def _complete(
+        self,
+        connection: Connection,
+        key: str,
+        owner: str,
+        keep_for: float,
+        result: str | None,
+        sends: Sequence[str],
+    ) -> None:
+        params = {"p_key": key, "p_owner": owner, "p_keep": float(keep_for), "p_result": result}
+        statement = self._sql.complete
+        if sends:
+            statement = self._sql.complete_sends
+            params.update(p_sends=json.dumps(list(sends)), p_token=owner)
+        if _rowcount(connection.execute(statement, params)) != 1:
             raise LeaseLost(key, "complete")
 
     def release(self, key: str, owner: str | None) -> None:
@@ -722,11 +1087,21 @@ class SQLStore(Store):
         if count != 1:
             raise LeaseLost(key, "renew")
 
-    def mark(self, key: str, keep_for: float, fingerprint: str | None, result: str | None) -> bool:
+    def mark(
+        self,
+        key: str,
+        keep_for: float,
+        fingerprint: str | None,
+        result: str | None,
+        sends: Sequence[str] = (),
+        token: str = "",
+    ) -> bool:
         _check_key(key)
         _check_token("fingerprint", fingerprint)
         with self._connect("mark") as connection:
-            return self._mark(connection, key, keep_for, fingerprint, result, locking=False)
+            return self._mark(
+                connection, key, keep_for, fingerprint, result, sends, token, locking=False
+            )
 
     def _mark(
         self,
@@ -735,6 +1110,8 @@ class SQLStore(Store):
         keep_for: float,
         fingerprint: str | None,
         result: str | None,
+        sends: Sequence[str],
+        token: str,
         *,
         locking: bool,
     ) -> bool:
@@ -745,11 +1122,16 @@ class SQLStore(Store):
             "p_result": result,
             "p_keep": float(keep_for),
         }
+        insert, replace = sql.mark_insert, sql.mark_replace_expired
+        if sends:
+            _check_token("token", token)
+            insert, replace = sql.mark_insert_sends, sql.mark_replace_expired_sends
+            params.update(p_sends=json.dumps(list(sends)), p_token=token)
         liveness = sql.liveness_locking if locking else sql.liveness
         for _ in range(_RACE_ATTEMPTS):
-            if _rowcount(connection.execute(sql.mark_insert, params)) == 1:
+            if _rowcount(connection.execute(insert, params)) == 1:
                 return True
-            if _rowcount(connection.execute(sql.mark_replace_expired, params)) == 1:
+            if _rowcount(connection.execute(replace, params)) == 1:
                 return True
             live = connection.execute(liveness, {"p_key": key}).scalar_one_or_none()
             if live is not None and int(live) == 1:
@@ -759,6 +1141,29 @@ class SQLStore(Store):
             f"SQL store {self._redacted}: mark of {key!r} kept losing races with other writers "
             f"({_RACE_ATTEMPTS} attempts)"
         )
+
+    def take_sends(self, key: str, token: str, lease: float, older_than: float = 0.0) -> SendLease:
+        _check_token("token", token)
+        params = {"p_key": key, "p_token": token, "p_lease": float(lease), "p_age": older_than}
+        with self._connect("take_sends") as connection:
+            taken = _rowcount(connection.execute(self._sql.take_sends, params)) == 1
+            row = connection.execute(self._sql.read_sends, params).one_or_none()
+        if row is None:
+            return SendLease()  # none pending (published meanwhile), or recorded too recently
+        sends, holder, remaining = row
+        if taken and holder == token and sends:
+            return SendLease(tuple(json.loads(sends)))
+        return SendLease(retry_after=max(float(remaining or 0.0), 0.0))
+
+    def dispatched(self, key: str, token: str) -> bool:
+        with self._connect("dispatched") as connection:
+            params = {"p_key": key, "p_token": token}
+            return _rowcount(connection.execute(self._sql.dispatched, params)) == 1
+
+    def pending_sends(self, older_than: float = 0.0, limit: int = 100) -> list[str]:
+        with self._connect("pending_sends") as connection:
+            rows = connection.execute(self._sql.pending, {"p_age": older_than, "p_limit": limit})
+            return [row[0] for row in rows]
 
     def get(self, key: str) -> Record | None:
         with self._connect("get") as connection:
@@ -776,6 +1181,7 @@ class SQLStore(Store):
                 deleted += count
                 if count < batch:
                     break
+            connection.execute(self._sql.purge_live)
         if deleted:
             logger.info("purged %d expired records from %s", deleted, self._table_label)
         return deleted
@@ -783,13 +1189,22 @@ class SQLStore(Store):
     def stats(self) -> Mapping[str, int]:
         with self._connect("stats") as connection:
             row = connection.execute(self._sql.stats).one()
-        keys, in_progress, completed, expired = (int(value or 0) for value in row)
+        keys, in_progress, completed, expired, sends_pending = (int(v or 0) for v in row)
         return {
             "keys": keys,
             "in_progress": in_progress,
             "completed": completed,
             "expired": expired,
+            "sends_pending": sends_pending,
         }
+
+    def records(self, key_prefix: str = "") -> Iterator[Record]:
+        """The live records whose key starts with ``key_prefix``, read in one query."""
+        escaped = key_prefix.replace("/", "//").replace("%", "/%").replace("_", "/_")
+        with self._connect("records") as connection:
+            result = connection.execute(self._sql.records, {"p_pattern": f"{escaped}%"})
+            rows = [_record(row) for row in result]
+        return iter(rows)
 
     def close(self) -> None:
         self._engine.dispose()
@@ -829,17 +1244,21 @@ class SQLStore(Store):
         return session
 
     def complete_in(
-        self, session: Session, key: str, owner: str, keep_for: float, result: str | None
+        self,
+        session: Session,
+        key: str,
+        owner: str,
+        keep_for: float,
+        result: str | None,
+        sends: Sequence[str] = (),
     ) -> None:
-        """:meth:`complete`, written through ``session``'s transaction (not committed here).
+        """:meth:`complete`, written through ``session``'s transaction (not committed here),
+        with ``sends``: the handler's rows, the mark and its sends commit together.
 
         :class:`LeaseLost` when the claim is no longer ``owner``'s.
         """
-        params = {"p_key": key, "p_owner": owner, "p_keep": float(keep_for), "p_result": result}
         with self._errors("complete_in"):
-            count = _rowcount(session.connection().execute(self._sql.complete, params))
-        if count != 1:
-            raise LeaseLost(key, "complete")
+            self._complete(session.connection(), key, owner, keep_for, result, sends)
 
     def mark_in(
         self,
@@ -848,8 +1267,11 @@ class SQLStore(Store):
         keep_for: float,
         fingerprint: str | None,
         result: str | None,
+        sends: Sequence[str] = (),
+        token: str = "",
     ) -> bool:
-        """:meth:`mark`, written through ``session``'s transaction (not committed here).
+        """:meth:`mark`, written through ``session``'s transaction (not committed here), with
+        ``sends``.
 
         A concurrent transaction's uncommitted mark of the same key makes this wait for it
         (PostgreSQL, InnoDB; SQLite serialises write transactions anyway): when it commits this
@@ -860,21 +1282,42 @@ class SQLStore(Store):
         _check_token("fingerprint", fingerprint)
         with self._errors("mark_in"):
             return self._mark(
-                session.connection(), key, keep_for, fingerprint, result, locking=True
+                session.connection(),
+                key,
+                keep_for,
+                fingerprint,
+                result,
+                sends,
+                token,
+                locking=True,
             )
+
+
+def _check_worker(worker: str | None) -> None:
+    if worker is not None and len(worker) > MAX_WORKER_LENGTH:
+        raise InvalidInput(
+            f"worker identity {worker[:20]!r}… is {len(worker)} characters; the limit is "
+            f"{MAX_WORKER_LENGTH}"
+        )
 
 
 def _record(row: Any) -> Record:
     key, status, owner, fingerprint, result, created_at, expires_at = row[:7]
+    pending = status == _SENDING
+    sends = row._mapping.get("sends") if pending else None
     return Record(
         key=key,
-        status=Status(status),
+        status=Status.COMPLETED if pending else Status(status),
         owner=owner,
         fingerprint=fingerprint,
         result=result,
         created_at=float(created_at),
         expires_at=float(expires_at),
         lease_remaining=float(row.lease_remaining),
+        worker=row.worker,
+        marked=status in (_COMPLETED, _SENDING) and not float(row.lease_until),
+        sends_pending=pending,
+        sends=tuple(json.loads(sends)) if sends else (),
     )
 
 
@@ -897,7 +1340,7 @@ def _pooled_dbapi_connections(engine: Engine) -> list[Any]:
     return found
 
 
-def init_db(url: str, table: str = DEFAULT_TABLE) -> str:
+def init_db(url: str, table: str | None = None) -> str:
     """Create the keys table (and its index) at ``url`` unless it exists; a one-line summary.
 
     Used by ``taskonce init-db``. Raises :class:`ConfigError` for a bad URL or table name and
@@ -909,4 +1352,4 @@ def init_db(url: str, table: str = DEFAULT_TABLE) -> str:
     finally:
         store.close()
     verb = "created" if created else "already present:"
-    return f"{verb} table {table} in {store._redacted}"
+    return f"{verb} table {store._table_label} in {store._redacted}"

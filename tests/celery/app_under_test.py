@@ -4,9 +4,16 @@
 prefix (queue names ``{prefix}.eager``, ``.lazy``, ``.tx``, ``.off``, ``.plain`` and the Redis
 ``global_keyprefix``). ``TO_STORE`` / ``TO_STORE_NS``: the taskonce store and its prefix (Redis)
 or table (SQL). ``TO_EVENTS``: JSONL events file. ``TO_PG``: the PostgreSQL URL of the run-count
-tables. ``TO_LEASE``: lease of the guarded queues. ``TO_VISIBILITY``: Redis visibility timeout.
+tables. ``TO_LEASE``: lease of the guarded queues (``default``: the Policy's). ``TO_VISIBILITY``: Redis visibility timeout.
 ``TO_STORE_RETRY_DELAY``: ``taskonce_store_retry_delay``. ``TO_READY``: file written when the
 worker is ready.
+
+Configuration-error switches (each test of them uses its own worker): ``TO_BAD_TASK=1`` declares
+``t.wants_sql`` with ``idempotency={"transactional": True}`` (the worker must refuse to start on
+a Redis store); ``TO_BY_SETTINGS=1`` configures the guard through the ``taskonce_*`` settings
+instead of ``setup()``; ``TO_BREAK_AT_RUN=1`` gives ``t.misconfigured`` that same option in each
+pool process after the start checks passed (a configuration error met at run time);
+``TO_DLX=1`` declares the ``{prefix}.eager`` queue with a dead-letter queue ``{prefix}.dead``.
 
 Every task counts its runs in the PostgreSQL table whose name it is given (one row per run,
 committed before the body goes on), so a test reads run counts from the database, not memory.
@@ -16,11 +23,12 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
-from celery import Celery, signals
+from celery import Celery, chord, group, signals
 
 import taskonce
 from taskonce.celery_ext import IdempotentTask, setup
@@ -30,7 +38,7 @@ PREFIX = ENV.get("TO_PREFIX", "tc")
 BROKER = ENV.get("TO_BROKER", "memory://")
 STORE = ENV.get("TO_STORE", "memory://")
 STORE_NS = ENV.get("TO_STORE_NS", PREFIX)
-LEASE = float(ENV.get("TO_LEASE", "3"))
+LEASE = ENV.get("TO_LEASE", "3")  # "default": the Policy's own default lease
 PG = ENV.get("TO_PG", "postgresql://postgres@127.0.0.1:5432/test").replace(
     "postgresql+psycopg://", "postgresql://"
 )
@@ -60,6 +68,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=True,
     taskonce_store_retry_delay=float(ENV.get("TO_STORE_RETRY_DELAY", "1")),
+    taskonce_relay_every=float(ENV.get("TO_RELAY_EVERY", "30")),
 )
 
 queues: dict[str, Any] = {
@@ -71,13 +80,26 @@ if SQL_STORE:
 store_options = {"table": STORE_NS} if SQL_STORE else {"prefix": STORE_NS}
 if STORE.startswith("memory"):
     store_options = {}
-GUARD = taskonce.Guard(
-    taskonce.open_store(STORE, **store_options),
-    default=taskonce.Policy(mode="eager", lease=LEASE),
-    queues=queues,
-    events=[taskonce.JsonlEvents(ENV["TO_EVENTS"])] if ENV.get("TO_EVENTS") else [],
-)
-setup(app, GUARD)
+if ENV.get("TO_DLX"):
+    from tests.celery.queues import dead_lettered_queue
+
+    app.conf.task_queues = [dead_lettered_queue(PREFIX)]
+DEFAULT_POLICY = {"mode": "eager"} if LEASE == "default" else {"mode": "eager", "lease": float(LEASE)}
+if ENV.get("TO_BY_SETTINGS"):
+    app.conf.update(
+        taskonce_store=taskonce.open_store(STORE, **store_options),
+        taskonce_default=DEFAULT_POLICY,
+        taskonce_queues=queues,
+        taskonce_events=ENV.get("TO_EVENTS"),
+    )
+else:
+    GUARD = taskonce.Guard(
+        taskonce.open_store(STORE, **store_options),
+        default=DEFAULT_POLICY,
+        queues=queues,
+        events=[taskonce.JsonlEvents(ENV["TO_EVENTS"])] if ENV.get("TO_EVENTS") else [],
+    )
+    setup(app, GUARD)
 
 # -- run counting (one autocommit psycopg connection per process, opened after the fork) -------
 
@@ -172,8 +194,10 @@ def effect(
     label: str,
     hang_first: bool = False,
     fail_first: bool = False,
+    sleep_first: float = 0.0,
 ) -> str:
-    """Write one row into ``effects`` through the guard's transaction."""
+    """Write one row into ``effects`` through the guard's transaction (the first run waits
+    ``sleep_first`` seconds before returning)."""
     from sqlalchemy import text
 
     if not _TABLE.match(effects):
@@ -183,6 +207,8 @@ def effect(
     session.execute(text(f"INSERT INTO {effects} (label) VALUES (:label)"), {"label": label})
     if hang_first and runs == 1:
         time.sleep(120)  # the test SIGKILLs this child: the insert above never commits
+    if sleep_first and runs == 1:
+        time.sleep(sleep_first)  # the test SIGSTOPs this child meanwhile
     if fail_first and runs == 1:
         raise self.retry(countdown=0)  # rolls the insert back, releases the claim
     return label
@@ -199,6 +225,156 @@ def override(self: Any, table: str, label: str) -> str:
 @app.task(base=IdempotentTask, bind=True, name="t.noack")
 def noack(self: Any, table: str, label: str) -> str:
     count_run(table, self, label)
+    return label
+
+
+@app.task(base=IdempotentTask, bind=True, acks_late=True, name="t.misconfigured")
+def misconfigured(self: Any, table: str, label: str) -> str:
+    count_run(table, self, label)
+    return label
+
+
+if ENV.get("TO_BAD_TASK"):
+
+    @app.task(
+        base=IdempotentTask,
+        bind=True,
+        acks_late=True,
+        idempotency={"transactional": True},
+        name="t.wants_sql",
+    )
+    def wants_sql(self: Any, table: str, label: str) -> str:
+        count_run(table, self, label)
+        return label
+
+
+@signals.worker_process_init.connect
+def _break_at_run(**_: Any) -> None:
+    if ENV.get("TO_BREAK_AT_RUN"):
+        misconfigured.idempotency = {"transactional": True}
+
+
+# -- the hand-off: tasks that send, and a crash in the middle of publishing -------------------
+
+
+class FlakyError(Exception):
+    """What ``t.sender`` retries on (not ValueError: a refused send is one, and must fail)."""
+
+
+#: [n, publishes so far]: this pool process SIGKILLs itself at its n-th publish (see arm_kill).
+_KILL: list[int] = []
+
+
+def arm_kill(at: int) -> None:
+    """Die (SIGKILL, no clean-up) at the ``at``-th publish of this process from now on: the
+    body arms it just before returning, so the publishes are the hand-off's dispatch, after the
+    outcome is recorded."""
+    _KILL[:] = [at, 0]
+
+
+@signals.before_task_publish.connect
+def _die_at_nth_publish(**_: Any) -> None:
+    if _KILL:
+        _KILL[1] += 1
+        if _KILL[1] >= _KILL[0]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@signals.task_postrun.connect
+def _disarm(**_: Any) -> None:
+    _KILL.clear()
+
+
+@app.task(
+    base=IdempotentTask,
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    autoretry_for=(FlakyError,),
+    retry_kwargs={"countdown": 0, "max_retries": 5},
+    name="t.sender",
+)
+def sender(
+    self: Any,
+    table: str,
+    label: str,
+    children: list[str],
+    kill_at: int = 0,
+    die_in_body: bool = False,
+    fails: int = 0,
+    fail_for_good: bool = False,
+    odd_argument: bool = False,
+) -> str:
+    """Sends ``t.record(table, child)`` for each child label, then (first run only) dies in the
+    body, fails, or arms a kill at the ``kill_at``-th publish of the hand-off."""
+    runs = count_run(table, self, label)
+    for child in children:
+        record.delay(table, child)
+    if odd_argument:
+        record.delay(table, {"a", "set"})  # not JSON: refused at this call
+    if die_in_body and runs == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fail_for_good:
+        raise RuntimeError("sender fails for good")
+    if runs <= fails:
+        raise FlakyError(f"sender run {runs} fails on purpose")
+    if kill_at and runs == 1:
+        arm_kill(kill_at)
+    return label
+
+
+@app.task(base=IdempotentTask, bind=True, acks_late=True, reject_on_worker_lost=True, name="t.step")
+def step(self: Any, previous: Any, table: str, label: str, kill_at: int = 0) -> str:
+    """A chain step (or chord body): counts its run, returns ``previous>label``; its first run
+    dies at the ``kill_at``-th publish of its hand-off (the next chain step)."""
+    runs = count_run(table, self, label)
+    if kill_at and runs == 1:
+        arm_kill(kill_at)
+    return f"{previous}>{label}"
+
+
+@app.task(
+    base=IdempotentTask, bind=True, acks_late=True, reject_on_worker_lost=True, name="t.canvas"
+)
+def canvas(self: Any, table: str, label: str, kind: str, kill_at: int = 0) -> str:
+    """Sends a group of three ``t.record`` (or a chord of them into ``t.step``)."""
+    runs = count_run(table, self, label)
+    header = [record.si(table, f"{label}-{i}") for i in range(3)]
+    if kind == "group":
+        group(header).apply_async()
+    else:
+        chord(header)(step.s(table, f"{label}-body"))
+    if kill_at and runs == 1:
+        arm_kill(kill_at)
+    return label
+
+
+@app.task(
+    base=IdempotentTask, bind=True, acks_late=True, reject_on_worker_lost=True, name="t.tx_sender"
+)
+def tx_sender(self: Any, table: str, effects: str, label: str, child: str) -> str:
+    """Transactional: writes a row through the guard's transaction and sends a child; its first
+    run dies before the commit (the row, the mark and the send never land)."""
+    from sqlalchemy import text
+
+    if not _TABLE.match(effects):
+        raise ValueError(f"bad table name {effects!r}")
+    runs = count_run(table, self, label)
+    session = taskonce.current_session()
+    session.execute(text(f"INSERT INTO {effects} (label) VALUES (:label)"), {"label": label})
+    record.delay(table, child)
+    if runs == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return label
+
+
+@app.task(base=IdempotentTask, bind=True, name="t.early_sender")
+def early_sender(self: Any, table: str, label: str, child: str) -> str:
+    """Acknowledged before it runs (no acks_late); its first run dies in the hand-off."""
+    runs = count_run(table, self, label)
+    record.delay(table, child)
+    if runs == 1:
+        arm_kill(1)
     return label
 
 

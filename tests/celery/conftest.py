@@ -24,7 +24,7 @@ import pytest
 from celery import Celery
 
 import taskonce
-from taskonce._demo import delete_redis_keys
+from taskonce.demo.common import delete_redis_keys
 from tests.helpers import POSTGRES_URL, REDIS_URL, require_service, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,18 +63,7 @@ class Worker:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 40.0) -> Worker:
-        self.ready_file.unlink(missing_ok=True)
-        command = [
-            sys.executable, "-m", "celery", "-A", "tests.celery.app_under_test", "worker",
-            "-P", "prefork", "-c", str(self.concurrency), "-Q", ",".join(self.queues),
-            "-n", f"{self.env.get('TO_PREFIX', 'tc')}-{uuid.uuid4().hex[:4]}@%h",
-            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
-        ]  # fmt: skip
-        with open(self.log_file, "ab") as log:
-            self.process = subprocess.Popen(
-                command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
+        self.launch()
 
         def ready() -> bool:
             assert self.process is not None
@@ -87,6 +76,22 @@ class Worker:
         except BaseException:
             self.stop()
             raise
+        return self
+
+    def launch(self) -> Worker:
+        """Start the process without waiting for it to be ready."""
+        self.ready_file.unlink(missing_ok=True)
+        command = [
+            sys.executable, "-m", "celery", "-A", "tests.celery.app_under_test", "worker",
+            "-P", "prefork", "-c", str(self.concurrency), "-Q", ",".join(self.queues),
+            "-n", f"{self.env.get('TO_PREFIX', 'tc')}-{uuid.uuid4().hex[:4]}@%h",
+            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
+        ]  # fmt: skip
+        with open(self.log_file, "ab") as log:
+            self.process = subprocess.Popen(
+                command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
         return self
 
     def alive(self) -> bool:
@@ -217,6 +222,24 @@ def clean_broker(app: Celery, url: str, prefix: str, queues: list[str]) -> None:
     delete_redis_keys(RESULT_BACKEND, f"{prefix}:*")
 
 
+def worker_env(
+    prefix: str, broker: str, store: str, namespace: str, events_path: Path,
+    extra: dict[str, str] | None = None,
+) -> dict[str, str]:  # fmt: skip
+    """The environment that configures :mod:`tests.celery.app_under_test` in a worker."""
+    return {
+        "TO_PREFIX": prefix,
+        "TO_BROKER": broker,
+        "TO_BACKEND": RESULT_BACKEND,
+        "TO_STORE": store,
+        "TO_STORE_NS": namespace,
+        "TO_EVENTS": str(events_path),
+        "TO_PG": POSTGRES_URL,
+        "TO_LEASE": "3",
+        **(extra or {}),
+    }
+
+
 def start_stack(
     tmp: Path, broker: str, store: str, db: int = MATRIX_DB, extra_env: dict[str, str] | None = None,
     store_pair: tuple[str, str] | None = None, transport: dict[str, Any] | None = None,
@@ -227,17 +250,7 @@ def start_stack(
     burl = broker_url(broker, db)
     surl, namespace = store_pair or store_url(store)
     events_path = tmp / "events.jsonl"
-    env = {
-        "TO_PREFIX": prefix,
-        "TO_BROKER": burl,
-        "TO_BACKEND": RESULT_BACKEND,
-        "TO_STORE": surl,
-        "TO_STORE_NS": namespace,
-        "TO_EVENTS": str(events_path),
-        "TO_PG": POSTGRES_URL,
-        "TO_LEASE": "3",
-        **(extra_env or {}),
-    }
+    env = worker_env(prefix, burl, surl, namespace, events_path, extra_env)
     queues = [f"{prefix}.{name}" for name in QUEUE_NAMES]
     app = publisher(burl, prefix, **(transport or {}))
     worker = Worker(tmp, env, queues)

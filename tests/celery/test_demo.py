@@ -6,7 +6,7 @@ import io
 import re
 import time
 
-from taskonce.celery_ext.demo import run_demo
+from taskonce.demo.celery_demo import run_demo
 from tests.celery.conftest import RABBIT_BROKER
 from tests.helpers import POSTGRES_URL, require_service
 

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import threading
 import time
 import uuid
@@ -53,9 +54,14 @@ class Config:
     results: str | None = None  # Redis URL of the Results backend
     heartbeat_timeout: int = 60_000  # Redis broker: ms before a silent worker counts as dead
     maintenance_chance: int = 1000  # Redis broker: per million commands
-    lease: float = 3.0  # the default policy's lease (s)
+    lease: float | None = 3.0  # the default policy's lease (s); None: the Policy's default
     store_error_backoff: int = 200  # ms before a fail_closed delivery is tried again
     wrong_order: bool = False  # add the middleware before Retries (a bad-input test)
+    #: declare ``wants_sql`` with idempotency={"transactional": True} (refused on a Redis store)
+    bad_actor: bool = False
+    #: give ``misconfigured`` that option as each of its messages is processed, after the boot
+    #: checks passed (a configuration error met at run time)
+    break_at_run: bool = False
 
     def to_env(self) -> dict[str, str]:
         return {CONFIG_ENV: json.dumps(dataclasses.asdict(self))}
@@ -94,6 +100,38 @@ class AckLog(dramatiq.Middleware):
 
     def after_nack(self, broker: dramatiq.Broker, message: Any) -> None:
         self._log(message, "nack")
+
+
+class BreakAtRun(dramatiq.Middleware):
+    """Runs before the guard: gives actor ``misconfigured`` an option no policy of a Redis
+    store can take, as if the configuration had changed after the worker booted."""
+
+    def __init__(self, guard_middleware: IdempotencyMiddleware) -> None:
+        self.guard_middleware = guard_middleware
+
+    def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        if message.actor_name == "misconfigured":
+            broker.get_actor("misconfigured").options["idempotency"] = {"transactional": True}
+            self.guard_middleware.policies.forget("misconfigured")
+
+
+class KillAtEnqueue(dramatiq.Middleware):
+    """Makes this worker process SIGKILL itself at the n-th enqueue after :func:`arm_kill`: an
+    actor arms it just before returning, so those enqueues are the hand-off's dispatch, after
+    its outcome is recorded (captured sends never reach ``enqueue``)."""
+
+    plan: list[int] = []  # [n, enqueues so far]; process-wide: the dispatch runs in hooks
+
+    def before_enqueue(self, broker: dramatiq.Broker, message: Any, delay: Any) -> None:
+        plan = KillAtEnqueue.plan
+        if plan:
+            plan[1] += 1
+            if plan[1] >= plan[0]:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm_kill(at: int) -> None:
+    KillAtEnqueue.plan[:] = [at, 0]
 
 
 class Runs:
@@ -162,7 +200,7 @@ def make_guard(config: Config) -> taskonce.Guard:
         queues[config.queue("txn")] = {"transactional": True}
     return taskonce.Guard(
         store,
-        default=taskonce.Policy(lease=config.lease),
+        default=taskonce.Policy() if config.lease is None else taskonce.Policy(lease=config.lease),
         queues=queues,
         events=[taskonce.JsonlEvents(config.events)],
     )
@@ -183,16 +221,18 @@ def build(config: Config) -> App:
     broker.add_middleware(CurrentMessage())
     broker.add_middleware(AsyncIO())
     broker.add_middleware(AckLog(config.acks))
+    broker.add_middleware(KillAtEnqueue())
     if config.wrong_order:
         broker.add_middleware(IdempotencyMiddleware(guard), before=Retries)
     else:
-        broker.add_middleware(
-            IdempotencyMiddleware(
-                guard,
-                store_error_min_backoff=config.store_error_backoff,
-                store_error_max_backoff=config.store_error_backoff * 4,
-            )
+        middleware = IdempotencyMiddleware(
+            guard,
+            store_error_min_backoff=config.store_error_backoff,
+            store_error_max_backoff=config.store_error_backoff * 4,
         )
+        broker.add_middleware(middleware)
+        if config.break_at_run:
+            broker.add_middleware(BreakAtRun(middleware), before=IdempotencyMiddleware)
     runs = Runs(config.runs_url)
     main, lazy, txn, opened = (config.queue(q) for q in ("main", "lazy", "txn", "open"))
     actors: dict[str, dramatiq.Actor[Any, Any]] = {}
@@ -222,6 +262,12 @@ def build(config: Config) -> App:
     def slow(table: str, seconds: float) -> None:
         runs.record(table)
         time.sleep(seconds)
+
+    @actor(main, max_retries=0)
+    def crash_then(table: str, body: float) -> None:
+        """The first run waits to be SIGKILLed; later runs take ``body`` seconds (the queue's
+        own lease)."""
+        time.sleep(60 if runs.record(table) == 1 else body)
 
     @actor(main, idempotency={"lease": 3}, max_retries=0)
     def crash(table: str) -> None:
@@ -268,6 +314,74 @@ def build(config: Config) -> App:
         await asyncio.sleep(0.01)
         _write_effect(effects, amount)  # needs the worker thread's context in the task
         runs.record(table)
+
+    @actor(main)
+    def misconfigured(table: str) -> None:
+        runs.record(table)
+
+    if config.bad_actor:
+
+        @actor(main, idempotency={"transactional": True})
+        def wants_sql(table: str) -> None:
+            runs.record(table)
+
+
+    # -- the hand-off: actors that send, and crashes in the middle of enqueueing -------------
+
+    @actor(main)
+    def child(table: str, label: str) -> None:
+        """A guarded child: one row per run in ``table`` (under its message id)."""
+        runs.record(table)
+
+    @actor(main, max_retries=3, min_backoff=50, max_backoff=100)
+    def sender(
+        table: str,
+        children: str,
+        n: int,
+        kill_at: int = 0,
+        die_in_body: bool = False,
+        fails: int = 0,
+        fail_for_good: bool = False,
+        odd_argument: bool = False,
+    ) -> str:
+        """Sends ``n`` children, then (first run only) dies in the body, fails, or arms a kill
+        at the ``kill_at``-th enqueue of its hand-off."""
+        run = runs.record(table)
+        for i in range(n):
+            actors["child"].send(children, f"child-{i}")
+        if odd_argument:
+            actors["child"].send(children, {"a", "set"})  # not JSON: refused at this call
+        if die_in_body and run == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fail_for_good:
+            raise RuntimeError("sender fails for good")
+        if run <= fails:
+            raise RuntimeError(f"sender run {run} fails on purpose")
+        if kill_at and run == 1:
+            arm_kill(kill_at)
+        return "sent"
+
+    @actor(main)
+    async def async_sender(table: str, children: str, n: int, kill_at: int = 0) -> None:
+        await asyncio.sleep(0.01)
+        run = runs.record(table)
+        for i in range(n):
+            actors["child"].send(children, f"child-{i}")
+        if kill_at and run == 1:
+            arm_kill(kill_at)
+
+    @actor(main)
+    def on_done(message_data: dict[str, Any], result: Any) -> None:
+        """An ``on_success`` callback: one row in the parent's ``children`` table."""
+        runs.record(message_data["args"][1])
+
+    @actor(main)
+    def pipe_step(table: str, kill_at: int, previous: Any = None) -> int:
+        """A pipeline step: one row per run; its first run dies enqueueing the next step."""
+        run = runs.record(table)
+        if kill_at and run == 1:
+            arm_kill(kill_at)
+        return int(previous or 0) + 1
 
     @actor(main, idempotency=False)
     def ping(table: str) -> None:

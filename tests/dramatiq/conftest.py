@@ -60,13 +60,14 @@ RABBIT_REDIS = Stack("rabbitmq", "redis")
 class Worker:
     """One ``python -m dramatiq tests.dramatiq.worker_app`` process group."""
 
-    def __init__(self, config: Config, log: Path) -> None:
+    def __init__(self, config: Config, log: Path, env: dict[str, str] | None = None) -> None:
         self.config = config
         self.log = log
+        self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Worker:
-        env = {**os.environ, **self.config.to_env(), "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, **self.config.to_env(), "PYTHONPATH": str(ROOT), **self.env}
         env.pop("dramatiq_queue_prefetch", None)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
@@ -119,8 +120,10 @@ class Harness:
 
     # -- workers ---------------------------------------------------------------------------
 
-    def start_worker(self, ready: bool = True) -> Worker:
-        worker = Worker(self.config, self.tmp / f"worker-{len(self.workers)}.log").start()
+    def start_worker(self, ready: bool = True, env: dict[str, str] | None = None) -> Worker:
+        """Start a worker (with ``env`` added to its environment); wait until it is ready."""
+        log = self.tmp / f"worker-{len(self.workers)}.log"
+        worker = Worker(self.config, log, env).start()
         self.workers.append(worker)
         if ready:
             self.wait_ready(worker)

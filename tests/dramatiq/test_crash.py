@@ -1,5 +1,6 @@
-"""A worker process SIGKILLed mid-actor: the message comes back and runs once more after the
-lease; in transactional mode on PostgreSQL exactly one effect is committed.
+"""A worker process SIGKILLed mid-actor: the message comes back and runs once more (the dead
+owner's claim is taken over); in transactional mode on PostgreSQL exactly one effect is
+committed. The timing with the default lease is in test_recovery.py.
 
 RabbitMQ redelivers the unacknowledged message as soon as the dead worker's connection closes
 (``redelivered=True``). The Redis broker has no connection to lose: a worker's fetched
@@ -54,7 +55,7 @@ def test_sigkill_mid_actor_runs_once_more_after_the_lease(
             names = [e["event"] for e in events]
             assert h.runs(runs) == 2
             assert names.count("claimed") == 1
-            assert names.count("lease_taken_over") == 1  # only once the lease had run out
+            assert names.count("lease_taken_over") == 1
             assert names.count("completed") == 1
             assert names.index("claimed") < names.index("lease_taken_over")
             rows = h.run_rows(runs)

@@ -7,7 +7,7 @@ import io
 import re
 import shutil
 
-from taskonce.dramatiq_ext.demo import run_demo
+from taskonce.demo.dramatiq_demo import run_demo
 from tests.helpers import require_service
 
 

@@ -192,6 +192,10 @@ def test_empty_message_id_is_dead_lettered_not_run(shared: Harness, runs_table: 
     h.wait(lambda: h.acks("", "nack"), what="the empty-id message to be dead-lettered")
     assert h.runs(runs_table) == 0
     assert h.events("") == []  # no usable key: nothing to record
+    # The log names the id it could not use, quoted: not a blank between two spaces.
+    assert "message '' dead-lettered, not run: message id '' is missing or empty" in (
+        h.workers[0].output()
+    )
 
 
 @stacks(TWO)

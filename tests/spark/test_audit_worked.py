@@ -1,6 +1,6 @@
 """The audit of a hand-worked event log (tests/spark/worked.py): every count, percentile, leak,
 stuck claim, recommended window and what-if row is the one worked out by hand; and the output
-folder holds exactly this run's tables, report.json (DESIGN.md's shape), report.md and
+folder holds exactly this run's tables, report.json (the public shape), report.md and
 report.html with PNG charts."""
 
 from __future__ import annotations
@@ -14,7 +14,16 @@ import pytest
 from taskonce.spark_ext import AuditResult
 from tests.spark import worked
 
-DESIGN_TOP = ["generated_at", "events", "keep_for_s", "overall", "queues", "tasks", "what_if"]
+DESIGN_TOP = [
+    "generated_at",
+    "events",
+    "keep_for_s",
+    "overall",
+    "queues",
+    "tasks",
+    "what_if",
+    "handoff",
+]
 DESIGN_METRICS = list(worked.metrics())
 
 
@@ -79,6 +88,10 @@ def test_details_buckets_rates_keep_for(run: tuple[AuditResult, Path]) -> None:
     assert details["queue:leak"]["keep_for_in_force_s"] == 600
     assert details["queue:clean"]["keep_for_in_force_s"] == 3600
     assert details["queue:lazy"]["leaked_runs"] == 2
+    # one takeover of a silent owner reports its recovery time; the lease_expired one has none
+    assert details["overall"]["recovery_p50_s"] == details["overall"]["recovery_max_s"] == 12.5
+    assert details["queue:stuck"]["recovery_max_s"] == 12.5
+    assert details["queue:dups"]["recovery_max_s"] is None
 
 
 def test_leaks_stuck_claims_and_problems(run: tuple[AuditResult, Path]) -> None:

@@ -86,6 +86,15 @@ def test_empty_log(spark: Any, tmp_path: Path) -> None:
         "queues": {},
         "tasks": {},
         "what_if": [{"keep_for_s": 300, "suppressed": 0, "leaked": 0, "store_keys": 0}],
+        "handoff": {
+            "records_deferred": 0,
+            "records_dispatched": 0,
+            "stranded": 0,
+            "discarded": 0,
+            "dispatch_lag_p50_s": 0.0,
+            "dispatch_lag_p99_s": 0.0,
+            "dispatch_lag_max_s": 0.0,
+        },
     }
     assert result.problems() == []
 

@@ -13,16 +13,18 @@ from typing import Any
 
 import pytest
 
+from taskonce.events import FIELDS
 from taskonce.spark_ext import AuditResult, JdbcSource, audit
+from taskonce.spark_ext.inputs import FIELD_TYPES
 from tests.helpers import IN_CI, POSTGRES_URL, require_service
 from tests.spark import worked
 from tests.spark.conftest import POSTGRESQL_JAR
 
-COLUMNS = """
-    ts timestamptz, event text, key text, queue text, message_id text, task text,
-    framework text, mode text, worker text, attempt integer, redelivered boolean,
-    duration_ms double precision, lease_s double precision, keep_for_s double precision
-"""
+# One column per public event field, in order (the table a user would load events into).
+_SQL_TYPES = {"string": "text", "long": "bigint", "boolean": "boolean", "double": "double precision"}
+COLUMNS = ", ".join(
+    f"{name} {'timestamptz' if name == 'ts' else _SQL_TYPES[FIELD_TYPES[name]]}" for name in FIELDS
+)
 
 
 @pytest.fixture
@@ -46,10 +48,10 @@ def events_table() -> Iterator[str]:
             rows = []
             for item in worked.worked_events():
                 moment = datetime.datetime.strptime(item["ts"], "%Y-%m-%dT%H:%M:%S.%fZ")
-                values = [item[name] for name in list(item)[1:]]
+                values = [item.get(name) for name in FIELDS[1:]]
                 rows.append((moment.replace(tzinfo=datetime.timezone.utc), *values))
             cursor.executemany(
-                f"INSERT INTO {table} VALUES ({', '.join(['%s'] * 14)})",  # in file order
+                f"INSERT INTO {table} VALUES ({', '.join(['%s'] * len(FIELDS))})",
                 rows,
             )
     try:

@@ -58,6 +58,8 @@ def event(
     attempt: int = 0,
     lease_s: float = 60,
     keep_for_s: float = 3600,
+    reason: str | None = None,
+    recovery_s: float | None = None,
 ) -> dict[str, Any]:
     return {
         "ts": ts(at),
@@ -74,6 +76,8 @@ def event(
         "duration_ms": 1.5 if name in ("completed", "marked", "released") else None,
         "lease_s": lease_s,
         "keep_for_s": keep_for_s,
+        "reason": reason,
+        "recovery_s": recovery_s,
     }
 
 
@@ -125,10 +129,18 @@ def worked_events() -> list[dict[str, Any]]:
         e(120, "lease_renewed", "stuck:k10", "stuck", worker=w1),
         e(150, "completed", "stuck:k10", "stuck", worker=w1),
         e(0, "claimed", "stuck:k11", "stuck", worker=w1),
-        e(200, "lease_taken_over", "stuck:k11", "stuck", worker=w2),
+        e(200, "lease_taken_over", "stuck:k11", "stuck", worker=w2, reason="lease_expired"),
         e(201, "completed", "stuck:k11", "stuck", worker=w2),
         e(0, "claimed", "stuck:k12", "stuck", worker=w1),
-        e(70, "lease_taken_over", "stuck:k12", "stuck", worker=w2),
+        e(
+            70,
+            "lease_taken_over",
+            "stuck:k12",
+            "stuck",
+            worker=w2,
+            reason="owner_silent",
+            recovery_s=12.5,
+        ),
         e(75, "lease_lost", "stuck:k12", "stuck", worker=w1),
         e(80, "completed", "stuck:k12", "stuck", worker=w2),
     ]

@@ -1,7 +1,7 @@
 """``taskonce demo --framework dramatiq``: duplicate deliveries against real Dramatiq workers.
 
 :func:`run_demo` starts two ``dramatiq`` workers (one process, two threads each) on
-:mod:`taskonce.dramatiq_ext.demo_app`, sends ``count`` guarded "charge" messages, re-publishes
+:mod:`taskonce.demo.dramatiq_app`, sends ``count`` guarded "charge" messages, re-publishes
 every fifth one with the same message id (a producer that sent twice), SIGKILLs the worker
 process in the middle of one charge (the broker gives that message — and whatever else the
 dead process had fetched — back to the other worker; the charge runs again once the dead
@@ -37,7 +37,7 @@ import uuid
 from pathlib import Path
 from typing import Any, TextIO
 
-from taskonce import _demo
+from taskonce.demo import common as _demo
 
 #: every n-th charge is published a second time with the same message id
 DUPLICATE_EVERY = 5
@@ -195,7 +195,7 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
             "TASKONCE_DEMO_LEASE": str(LEASE),
         }
         command = [
-            sys.executable, "-m", "dramatiq", "taskonce.dramatiq_ext.demo_app:broker",
+            sys.executable, "-m", "dramatiq", "taskonce.demo.dramatiq_app:broker",
             "--processes", "1", "--threads", "2",
         ]  # fmt: skip
         out.write("  starting the workers … ")
@@ -227,7 +227,7 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
 
         from dramatiq import Message
 
-        from taskonce.dramatiq_ext.demo_app import make_broker
+        from taskonce.demo.dramatiq_app import make_broker
 
         publisher = make_broker(broker_url, queue)
         sending = time.monotonic()
@@ -313,12 +313,12 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
              "deliveries a worker picked up: redeliveries and deferred copies included"),
             ("ran", str(ran),
              f"{counts['completed']} charges completed"
-             + (f" + {interrupted} killed mid-charge (run again after the lease, or "
+             + (f" + {interrupted} killed mid-charge (its claim taken over and run again, or "
                 "committed just before the kill)" if interrupted else "")),
             ("duplicates skipped", str(counts["duplicate_skipped"]),
              "acknowledged without running"),
             ("deferred in flight", str(counts["in_progress_deferred"]),
-             "arrived while the charge was running: enqueued again for after the lease"),
+             "arrived while the charge was running: enqueued again for later"),
         ]  # fmt: skip
         return _demo.report(
             out,

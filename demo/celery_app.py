@@ -1,6 +1,6 @@
 """The Celery app of ``taskonce demo``: one guarded ``charge`` task, configured by environment.
 
-The demo (:mod:`taskonce.celery_ext.demo`) starts ``celery -A taskonce.celery_ext.demo_app
+The demo (:mod:`taskonce.demo.celery_demo`) starts ``celery -A taskonce.demo.celery_app
 worker`` with these variables:
 
 - ``TASKONCE_DEMO_BROKER``, ``TASKONCE_DEMO_QUEUE``: broker URL and the queue to consume.
@@ -25,10 +25,10 @@ from typing import Any
 from celery import Celery, signals
 
 import taskonce
-from taskonce import _demo
 from taskonce.celery_ext.config import setup
-from taskonce.celery_ext.demo import broker_options
 from taskonce.celery_ext.task import IdempotentTask
+from taskonce.demo import common as _demo
+from taskonce.demo.celery_demo import broker_options
 
 ENV = os.environ
 BROKER = ENV.get("TASKONCE_DEMO_BROKER", "memory://")

@@ -1,7 +1,7 @@
 """The Dramatiq app of ``taskonce demo --framework dramatiq``: one guarded ``charge`` actor.
 
-The demo (:mod:`taskonce.dramatiq_ext.demo`) starts ``python -m dramatiq
-taskonce.dramatiq_ext.demo_app:broker`` with these environment variables:
+The demo (:mod:`taskonce.demo.dramatiq_demo`) starts ``python -m dramatiq
+taskonce.demo.dramatiq_app:broker`` with these environment variables:
 
 - ``TASKONCE_DEMO_BROKER``: ``redis://…`` or ``amqp://…``.
 - ``TASKONCE_DEMO_QUEUE``: the queue of the ``charge`` actor (also the Redis key namespace).
@@ -28,7 +28,7 @@ from typing import Any
 import dramatiq
 
 import taskonce
-from taskonce import _demo
+from taskonce.demo import common as _demo
 from taskonce.dramatiq_ext.middleware import IdempotencyMiddleware
 
 ENV = os.environ

@@ -1,7 +1,7 @@
 """``taskonce demo``: duplicate deliveries against a real Celery worker, and a balance that holds.
 
 :func:`run_demo` starts ``celery worker`` (prefork, two pool processes) on
-:mod:`taskonce.celery_ext.demo_app`, sends ``count`` guarded "charge" tasks, re-publishes every
+:mod:`taskonce.demo.celery_app`, sends ``count`` guarded "charge" tasks, re-publishes every
 fifth one with the same task id (a producer that sent twice), SIGKILLs the pool process in
 the middle of one charge (the broker gives that message back; it runs again once the dead
 claim's lease is out), draws a progress bar, and prints what happened: sent, delivered, ran,
@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
-from taskonce import _demo
+from taskonce.demo import common as _demo
 
 #: every n-th charge is published a second time with the same task id
 DUPLICATE_EVERY = 5
@@ -114,7 +114,7 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
             "TASKONCE_DEMO_LEASE": str(LEASE),
         }
         command = [
-            sys.executable, "-m", "celery", "-A", "taskonce.celery_ext.demo_app", "worker",
+            sys.executable, "-m", "celery", "-A", "taskonce.demo.celery_app", "worker",
             "-P", "prefork", "-c", "2", "-Q", queue, "-n", f"demo-{tag}@%h",
             "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-l", os.environ.get("TASKONCE_DEMO_LOGLEVEL", "WARNING"),
@@ -226,12 +226,12 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
              "messages a pool process picked up, redeliveries included"),
             ("ran", str(ran),
              f"{counts['completed']} charges completed"
-             + (f" + {interrupted} killed mid-charge, run again after its lease"
+             + (f" + {interrupted} killed mid-charge, its claim taken over, run again"
                 if interrupted else "")),
             ("duplicates skipped", str(counts["duplicate_skipped"]),
              "acknowledged without running"),
             ("deferred in flight", str(counts["in_progress_deferred"]),
-             "arrived while the charge was running: delivered again after the lease"),
+             "arrived while the charge was running: delivered again later"),
         ]  # fmt: skip
         return _demo.report(
             out,

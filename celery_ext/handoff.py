@@ -1,0 +1,204 @@
+"""The hand-off for Celery: what a guarded task sends is captured, recorded with its outcome and
+published after it (see docs/handoff.md).
+
+Three pieces, each a translation; the guard decides everything else:
+
+- :func:`install` wraps the app's ``send_task`` — where ``.delay``, ``apply_async``, signatures,
+  groups and a chord's header all end up. While :func:`taskonce.handoff.current` returns a
+  capture (a guarded body runs with ``defer_sends``), the call is recorded as a JSON body
+  (task name, arguments, publish options) instead of being published, and the caller gets the
+  usual :class:`~celery.result.AsyncResult` under the id fixed now: its own ``task_id``, else
+  one derived from the parent's key.
+- :func:`capture_links` captures the ``link`` callbacks and the next ``chain`` step, which
+  Celery's tracer would publish after the body returns, and clears them from the request so the
+  tracer does not.
+- :func:`publisher` re-creates each stored send with ``app.send_task`` under its id; the guard
+  calls it after the outcome is recorded, on a redelivery and from the relay.
+
+Never captured (they run outside the capture or inside :func:`taskonce.send_now`): the retry
+message of ``self.retry()``/``autoretry_for``, ``replace()``, the guard's own re-deliveries,
+``link_error`` callbacks (the failure path) and the chord body that the result backend publishes
+when the last header task finishes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from celery.canvas import Signature
+from kombu.utils import json as kombu_json
+
+from taskonce import handoff
+from taskonce.guard import Guard
+from taskonce.handoff import Send
+
+T = TypeVar("T")
+
+logger = logging.getLogger("taskonce.celery")
+
+FRAMEWORK = "celery"
+
+#: ``send_task`` arguments that are objects of the sending process, not part of the message:
+#: the publisher supplies its own.
+_LOCAL_OPTIONS = frozenset(
+    {"producer", "connection", "router", "result_cls", "publisher", "task_type", "add_to_parent"}
+)
+
+_INSTALL_LOCK = threading.Lock()
+_WRAPPED = "_taskonce_send_task"
+
+
+def install(app: Any, guard: Guard) -> None:
+    """Make ``app`` capture the sends of guarded bodies and let ``guard`` publish them."""
+    guard.register_publisher(FRAMEWORK, publisher(app))
+    with _INSTALL_LOCK:
+        if getattr(app, _WRAPPED, None) is None:
+            original = app.send_task
+            wrapped = functools.partial(_send_task, app, original)
+            setattr(app, _WRAPPED, original)
+            app.send_task = wrapped
+
+
+def _send_task(app: Any, original: Callable[..., Any], name: str, *args: Any, **kw: Any) -> Any:
+    capture = handoff.current()
+    if capture is None:
+        return original(name, *args, **kw)
+    return _capture(app, capture, name, *args, **kw)
+
+
+# send_task's positional parameters after ``name``, in order.
+_POSITIONAL = ("args", "kwargs", "countdown", "eta", "task_id", "producer", "connection")
+
+
+def _capture(app: Any, capture: handoff.Capture, name: str, *positional: Any, **kw: Any) -> Any:
+    """Record one ``send_task`` call in ``capture``; the AsyncResult its caller expects."""
+    for field, value in zip(_POSITIONAL, positional, strict=False):
+        kw[field] = value
+    args = _tagged(list(kw.pop("args", None) or ()))
+    kwargs = _tagged(dict(kw.pop("kwargs", None) or {}))
+    task_id = kw.pop("task_id", None)
+    result_cls = kw.get("result_cls")
+    add_to_parent = kw.get("add_to_parent", True)
+    options = {k: _plain(v) for k, v in kw.items() if k not in _LOCAL_OPTIONS and v is not None}
+    # What send_task would take from the running task: fixed now, the relay has no parent.
+    parent = app.current_worker_task
+    if parent is not None:
+        request = parent.request
+        options.setdefault("root_id", request.root_id or request.id)
+        options.setdefault("parent_id", request.id)
+        if app.conf.task_inherit_parent_priority:
+            priority = (request.delivery_info or {}).get("priority")
+            if priority is not None:
+                options.setdefault("priority", priority)
+    body = {"task": name, "args": args, "kwargs": kwargs, "options": options}
+    send_id = capture.add(FRAMEWORK, body, message_id=task_id, name=name)
+    result = (result_cls or app.AsyncResult)(send_id)
+    result.ignored = options.get("ignore_result")
+    if add_to_parent and parent is not None:
+        parent.add_trail(result)
+    return result
+
+
+def _tagged(value: T) -> T:
+    """``value`` as plain JSON in kombu's own encoding, so what Celery's JSON serializer sends
+    (datetime, date, time, UUID, Decimal) can be captured and comes back as itself when the
+    send is published. A value kombu cannot encode either is left as it is: the capture then
+    refuses it, naming the argument."""
+    try:
+        return json.loads(kombu_json.dumps(value))  # type: ignore[no-any-return,no-untyped-call]
+    except (TypeError, ValueError):
+        return value
+
+
+def _plain(value: Any) -> Any:
+    """A publish option as JSON can keep it: signatures as dicts, kombu queues and exchanges by
+    name, datetimes in ISO 8601 (which ``send_task`` accepts back)."""
+    if isinstance(value, Signature):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (datetime.datetime, datetime.date)):
+        return value.isoformat()
+    name = getattr(value, "name", None)
+    if isinstance(name, str) and type(value).__module__.startswith("kombu"):
+        return name
+    return value
+
+
+def capture_links(task: Any, request: Any, retval: Any) -> tuple[Any, Any]:
+    """Capture what the tracer publishes after a successful body — the ``link`` callbacks with
+    ``retval``, then the next ``chain`` step — exactly as it would build them, and clear them from
+    ``request``. Returns the cleared ``(callbacks, chain)`` for :func:`restore_links`."""
+    callbacks, chain = request.callbacks, request.chain
+    if not callbacks and not chain:
+        return None, None
+    app = task.app
+    publish = {
+        "parent_id": request.id,
+        "root_id": request.root_id or request.id,
+        "priority": (
+            (request.delivery_info or {}).get("priority")
+            if app.conf.task_inherit_parent_priority
+            else None
+        ),
+    }
+    from celery import group, signature
+
+    if callbacks:
+        sigs = [signature(sig, app=app) for sig in callbacks]
+        groups = [s for s in sigs if isinstance(s, group)]
+        plain = [s for s in sigs if not isinstance(s, group)]
+        if len(sigs) == 1:
+            sigs[0].apply_async((retval,), **publish)
+        else:
+            for group_ in groups:
+                group_.apply_async((retval,), **publish)
+            if plain:
+                group(plain, app=app).apply_async((retval,), **publish)
+    if chain:
+        signature(chain[-1], app=app).apply_async((retval,), chain=chain[:-1], **publish)
+    request.callbacks = None
+    request.chain = None
+    return callbacks, chain
+
+
+def restore_links(request: Any, links: tuple[Any, Any]) -> None:
+    """Put back what :func:`capture_links` cleared: the outcome could not be committed
+    (transactional, store down) and the message is published again to run later, with them."""
+    callbacks, chain = links
+    if callbacks is not None:
+        request.callbacks = callbacks
+    if chain is not None:
+        request.chain = chain
+
+
+def publisher(app: Any) -> Callable[[Send], None]:
+    """The guard's publisher of Celery sends: ``app.send_task`` of the stored body under the
+    send's id."""
+
+    def publish(send: Send) -> None:
+        body = send.body
+        options = dict(body.get("options") or {})
+        # kombu's type tags back into datetimes, UUIDs, Decimals (see _tagged)
+        args, kwargs = kombu_json.loads(  # type: ignore[no-untyped-call]
+            json.dumps([body.get("args") or [], body.get("kwargs") or {}])
+        )
+        with handoff.send_now():
+            app.send_task(
+                body["task"],
+                args=args,
+                kwargs=kwargs,
+                task_id=send.id,
+                add_to_parent=False,
+                **options,
+            )
+
+    return publish

@@ -1,0 +1,223 @@
+"""The hand-off: messages a guarded handler sends are captured, recorded with its outcome and
+published after it.
+
+While a guarded handler runs, the adapters ask :func:`current` before publishing anything. When
+it returns a :class:`Capture`, they add the message to it instead of publishing it (a handler
+running in another thread or event loop than :meth:`taskonce.Guard.begin` gets its capture
+with :func:`capturing`); the guard
+stores the captured messages with the outcome (same Lua script, same SQL transaction) and
+publishes them afterwards through the publisher each framework registered with
+:meth:`taskonce.Guard.register_publisher`. A failed run's captures are discarded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import json
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from taskonce.errors import SendRefused
+
+#: Default size limit of one handler's captured sends (JSON text, in bytes).
+DEFAULT_SEND_LIMIT = 1 << 20
+
+#: Child ids are uuid5 names in this namespace: the same parent key and ordinal give the same id.
+_NAMESPACE = uuid.UUID("6f1c3f64-9f3e-5d0c-9a51-7a6b1d0e4c21")
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    """One message a guarded handler sent, captured instead of published. JSON only.
+
+    :param id: the message id, fixed at capture (the caller's, else :func:`derive_id`).
+    :param framework: ``"celery"``, ``"dramatiq"`` or ``"python"``: whose publisher sends it.
+    :param body: what that framework's publisher needs to publish it (JSON-safe).
+    """
+
+    id: str
+    framework: str
+    body: dict[str, Any]
+
+    def to_json(self) -> str:
+        """Compact JSON text of this send (what the stores keep)."""
+        return json.dumps(
+            {"id": self.id, "framework": self.framework, "body": self.body},
+            separators=(",", ":"),
+            allow_nan=False,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Send:
+        """The send whose :meth:`to_json` is ``text``."""
+        data = json.loads(text)
+        return cls(id=data["id"], framework=data["framework"], body=data["body"])
+
+
+Publisher = Callable[[Send], None]
+"""Publishes one :class:`Send` (with its id); raises on failure."""
+
+
+def derive_id(parent_key: str, ordinal: int) -> str:
+    """A deterministic UUID string from the parent's key and the send's 0-based ordinal: a
+    re-run of the same handler sends its children under the same ids."""
+    return str(uuid.uuid5(_NAMESPACE, f"{parent_key}\x00{ordinal}"))
+
+
+class Capture:
+    """The sends of the guarded handler running in this context.
+
+    :param parent_key: the guarded delivery's key (child ids derive from it).
+    :param task: the handler's task/actor name, for error messages.
+    :param limit: the most bytes of JSON this handler may capture.
+    """
+
+    __slots__ = ("limit", "parent_key", "sends", "size", "task", "texts")
+
+    def __init__(self, parent_key: str, task: str = "", limit: int = DEFAULT_SEND_LIMIT) -> None:
+        self.parent_key = parent_key
+        self.task = task
+        self.limit = limit
+        self.sends: list[Send] = []
+        #: the stored form of ``sends``, encoded once at :meth:`add`
+        self.texts: list[str] = []
+        self.size = 0
+
+    def add(
+        self,
+        framework: str,
+        body: dict[str, Any],
+        message_id: str | None = None,
+        *,
+        name: str | None = None,
+    ) -> str:
+        """Capture one send; return its id: ``message_id`` if the caller chose one, else
+        ``derive_id(parent_key, ordinal)``.
+
+        ``name`` (the task/actor being sent; default ``body["task"]``/``body["actor_name"]``)
+        only serves error messages. Raises :class:`~taskonce.errors.SendRefused` naming the
+        sender, the message and the argument when ``body`` is not JSON-serialisable, or when the
+        handler's captures would exceed the size limit. A refused send is not captured.
+        """
+        if not isinstance(body, dict):
+            raise SendRefused(f"{self._sender()}: a send's body must be a dict, not {body!r:.80}")
+        if message_id is not None and (not isinstance(message_id, str) or not message_id):
+            raise SendRefused(
+                f"{self._sender()}: message id {message_id!r} must be a non-empty str"
+            )
+        send_id = (
+            message_id if message_id is not None else derive_id(self.parent_key, len(self.sends))
+        )
+        send = Send(send_id, framework, body)
+        target = name or str(body.get("task") or body.get("actor_name") or "?")
+        try:
+            text = send.to_json()
+        except (TypeError, ValueError) as exc:
+            where = _first_unstorable(body) or "an argument"
+            raise SendRefused(
+                f"{self._sender()} sent {target!r} with {where} that JSON cannot represent "
+                f"({exc}); deferred sends are stored as JSON, so pass JSON values (str, int, "
+                "float, bool, None, list, dict) or use taskonce.send_now() for this send"
+            ) from None
+        size = self.size + len(text.encode())
+        if size > self.limit:
+            raise SendRefused(
+                f"{self._sender()} sent {target!r}: its captured sends would take {size} bytes, "
+                f"over the limit of {self.limit} bytes per handler (Guard(send_limit=…)); send "
+                "references to large data, not the data"
+            )
+        self.sends.append(send)
+        self.texts.append(text)
+        self.size = size
+        return send_id
+
+    def _sender(self) -> str:
+        return f"task {self.task!r}" if self.task else f"the handler of {self.parent_key!r}"
+
+    def __len__(self) -> int:
+        return len(self.sends)
+
+    def __repr__(self) -> str:
+        return f"Capture({self.parent_key!r}, {len(self.sends)} send(s))"
+
+
+_capture: contextvars.ContextVar[Capture | None] = contextvars.ContextVar(
+    "taskonce_capture", default=None
+)
+_sending_now: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "taskonce_send_now", default=False
+)
+
+
+def current() -> Capture | None:
+    """The capture active in this context: None outside a guarded handler, when the policy has
+    ``defer_sends=False``, and inside :func:`send_now`."""
+    capture = _capture.get()
+    if capture is None or _sending_now.get():
+        return None
+    return capture
+
+
+@contextlib.contextmanager
+def capturing(capture: Capture | None) -> Iterator[None]:
+    """Make ``capture`` (a ticket's :attr:`~taskonce.Ticket.capture`) current inside the block:
+    for adapters whose handler runs in another thread or context than :meth:`Guard.begin`
+    (an asyncio event loop)."""
+    token = _capture.set(capture)
+    try:
+        yield
+    finally:
+        _capture.reset(token)
+
+
+@contextlib.contextmanager
+def send_now() -> Iterator[None]:
+    """``with taskonce.send_now(): ...`` — sends inside publish at once, outside the guarantee
+    (a progress notification you want out even if the handler later fails)."""
+    token = _sending_now.set(True)
+    try:
+        yield
+    finally:
+        _sending_now.reset(token)
+
+
+def _first_unstorable(value: Any, path: str = "") -> str:
+    """Where in ``value`` the first thing JSON cannot store is, e.g. ``argument args[1]``."""
+    if isinstance(value, dict):
+        for k, item in value.items():
+            if not isinstance(k, str):
+                return f"argument {path or 'body'} key {k!r}"
+            found = _first_unstorable(item, f"{path}[{k!r}]" if path else k)
+            if found:
+                return found
+        return ""
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = _first_unstorable(item, f"{path}[{i}]")
+            if found:
+                return found
+        return ""
+    if value is None or isinstance(value, (str, bool, int)):
+        return ""
+    if isinstance(value, float):
+        return (
+            ""
+            if value == value and value not in (float("inf"), float("-inf"))
+            else (f"argument {path} = {value!r}")
+        )
+    return f"argument {path} of type {type(value).__name__}"
+
+
+__all__ = [
+    "DEFAULT_SEND_LIMIT",
+    "Capture",
+    "Publisher",
+    "Send",
+    "capturing",
+    "current",
+    "derive_id",
+    "send_now",
+]

@@ -1,0 +1,166 @@
+"""The hand-off for Dramatiq: what a guarded actor sends is captured, recorded with its outcome
+and enqueued after it (see docs/handoff.md).
+
+- :func:`install` wraps the broker's ``enqueue``, where ``send``, ``send_with_options``, the
+  next pipeline step and ``on_success`` callbacks all end up. While
+  :func:`taskonce.handoff.current` returns a capture (a guarded actor runs with
+  ``defer_sends``), the message is recorded as JSON instead of enqueued and the caller gets it
+  back under the id fixed now: the message's own id when the caller built the message (a
+  pipeline's steps, ``broker.enqueue(message)``), else — ``actor.send`` makes a random one — an
+  id derived from the parent's key, the same on a re-run.
+- :class:`Finisher` records the outcome of a message with a next pipeline step or an
+  ``on_success`` callback *after* ``Pipelines`` and ``Callbacks`` have sent them (so they are
+  captured too): Dramatiq runs ``after_*`` hooks in reverse list order, and the finisher sits
+  first in ``broker.middleware``. Other messages are recorded as before, in the middleware's
+  own hook.
+- :func:`publisher` enqueues a stored send under its id; the guard calls it after the record,
+  on a redelivery and from the relay.
+
+Never captured: ``Retries``' re-enqueues and the guard's deferral copies (they happen after the
+capture ended or before it began), the workers' moves of delayed ``.DQ`` messages (another
+thread), ``on_failure`` callbacks (the failure path ends the capture first) and sends inside
+:func:`taskonce.send_now`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dramatiq import Message, Middleware
+
+from taskonce import handoff
+from taskonce.handoff import Send
+
+if TYPE_CHECKING:
+    from dramatiq import Actor, Broker
+    from dramatiq.broker import MessageProxy
+
+    from taskonce.dramatiq_ext.middleware import IdempotencyMiddleware
+    from taskonce.guard import Guard, Ticket
+
+logger = logging.getLogger("taskonce.dramatiq")
+
+FRAMEWORK = "dramatiq"
+
+#: Set while ``actor.send_with_options`` builds and enqueues a message: its id is Dramatiq's
+#: random one, which the capture replaces with a derived one.
+_FRESH_ID: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "taskonce_dramatiq_fresh_id", default=False
+)
+_ORIGINAL = "_taskonce_enqueue"
+_LOCK = threading.Lock()
+
+
+def install(broker: Broker, guard: Guard) -> None:
+    """Make ``broker`` capture the sends of guarded actors and let ``guard`` publish them."""
+    with _LOCK:
+        original = vars(broker).get(_ORIGINAL)
+        if original is None:
+            original = broker.enqueue
+            setattr(broker, _ORIGINAL, original)
+            broker.enqueue = functools.partial(_enqueue, original)  # type: ignore[method-assign]
+    guard.register_publisher(FRAMEWORK, publisher(original))
+
+
+def wrap_actor(actor: Actor[Any, Any]) -> None:
+    """Mark the messages ``actor.send``/``send_with_options`` make as having a fresh id."""
+    if "send_with_options" in vars(actor):
+        return
+    original = actor.send_with_options
+
+    def send_with_options(**kwargs: Any) -> Any:
+        token = _FRESH_ID.set(True)
+        try:
+            return original(**kwargs)
+        finally:
+            _FRESH_ID.reset(token)
+
+    actor.send_with_options = send_with_options  # type: ignore[method-assign]
+
+
+def _enqueue(
+    original: Callable[..., Message[Any]], message: Message[Any], *, delay: int | None = None
+) -> Message[Any]:
+    capture = handoff.current()
+    if capture is None:
+        return original(message, delay=delay)
+    body = message.asdict()
+    body.pop("message_id", None)
+    body["args"] = list(body.get("args") or ())
+    body["delay"] = delay
+    fresh = _FRESH_ID.get()
+    send_id = capture.add(
+        FRAMEWORK, body, message_id=None if fresh else message.message_id, name=message.actor_name
+    )
+    if send_id == message.message_id:
+        return message
+    return message.copy(message_id=send_id)
+
+
+def publisher(enqueue: Callable[..., Message[Any]]) -> Callable[[Send], None]:
+    """The guard's publisher of Dramatiq sends: the stored message enqueued under its id."""
+
+    def publish(send: Send) -> None:
+        body = send.body
+        message: Message[Any] = Message(
+            queue_name=body["queue_name"],
+            actor_name=body["actor_name"],
+            args=tuple(body.get("args") or ()),
+            kwargs=body.get("kwargs") or {},
+            options=body.get("options") or {},
+            message_id=send.id,
+            message_timestamp=body["message_timestamp"],
+        )
+        with handoff.send_now():
+            enqueue(message, delay=body.get("delay"))
+
+    return publish
+
+
+class Finisher(Middleware):
+    """Records a successful guarded delivery after every other ``after_process_message``.
+
+    :class:`~taskonce.dramatiq_ext.IdempotencyMiddleware` adds it at the front of
+    ``broker.middleware`` itself; its ``after_*`` hook therefore runs last, after ``Pipelines``
+    and ``Callbacks`` have sent (into the capture) what follows a success.
+    """
+
+    def __init__(self, owner: IdempotencyMiddleware) -> None:
+        self.owner = owner
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any | None = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        """Finish the delivery the owner left to this hook."""
+        ticket: Ticket | None = self.owner.finishing.take(message)
+        if ticket is not None:
+            self.owner.settle(broker, message, ticket, result, exception)
+
+
+def sends_after_success(broker: Broker, message: MessageProxy) -> bool:
+    """Whether ``Pipelines`` or ``Callbacks`` will send something after ``message`` succeeds: a
+    next pipeline step or an ``on_success`` callback (message or actor option)."""
+    options = message.options
+    if options.get("pipe_target") is not None or options.get("on_success"):
+        return True
+    actor = broker.actors.get(message.actor_name)
+    return actor is not None and bool(actor.options.get("on_success"))
+
+
+def place_finisher(broker: Broker, finisher: Finisher) -> None:
+    """Put ``finisher`` first in ``broker.middleware``. The list is replaced, not changed in
+    place: Dramatiq may be iterating the old one (this runs from its hooks)."""
+    stack = broker.middleware
+    if stack and stack[0] is finisher:
+        return
+    broker.middleware = [finisher, *(m for m in stack if m is not finisher)]

@@ -1,0 +1,284 @@
+"""The documentation is tested like code.
+
+Links: every relative link and image in every Markdown file of the repository (README, docs/,
+CONTRIBUTING, CHANGELOG, …) points at a file inside the repository, and a ``#fragment`` at a
+heading of that file (GitHub's heading anchors). No file names the team's private design
+notes: everything a user needs is in docs/.
+
+Snippets: every fenced block in README.md and docs/*.md whose info string is exactly
+``python`` runs, **each as its own Python program** (a fresh interpreter, nothing shared with
+the other blocks) in a fresh temporary working directory, so relative paths such as
+``sqlite:///taskonce.db`` or ``events.jsonl`` land there and vanish. A block must succeed (exit
+status 0) within ``SNIPPET_TIMEOUT`` seconds. Blocks that need something the test cannot
+provide (a running worker, your own app module, a cluster) use the info string
+``python no-run``: they are only compiled. Any other info string starting with ``python`` is
+an error, so a typo cannot silently skip a block. Snippets may use ``memory://``, SQLite in
+the working directory, or the local services (Redis db 15, PostgreSQL ``test``) with names of
+their own, and must clean up what they create there. Shell commands use ``sh``, output
+``text``. CONTRIBUTING.md repeats this convention for writers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+import unicodedata
+from functools import cache
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP_DIRS = {".git", ".venv", "build", "dist", "node_modules", ".pytest_cache", ".mypy_cache"}
+SNIPPET_TIMEOUT = 120.0
+#: Built from parts so this file does not name them itself.
+FORBIDDEN = ("DESIGN" + ".md", "shared" + "/")
+
+FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>[^\n]*)$")
+INLINE_LINK = re.compile(
+    r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?(?P<target>[^)\s>]*)>?(?:\s+\"[^\"]*\")?\s*\)"
+)
+REFERENCE_DEF = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(?P<target>\S+?)>?(?:\s+.*)?$")
+CODE_SPAN = re.compile(r"(`+)(?:.+?)\1")
+HEADING = re.compile(r"^ {0,3}#{1,6}\s+(?P<text>.*?)\s*#*\s*$")
+HTML_ANCHOR = re.compile(r"<a\s+(?:name|id)=\"(?P<name>[^\"]+)\"")
+
+
+def markdown_files() -> list[Path]:
+    found = []
+    for path in sorted(ROOT.rglob("*.md")):
+        parts = set(path.relative_to(ROOT).parts[:-1])
+        if parts & SKIP_DIRS or any(p.endswith(".egg-info") for p in parts):
+            continue
+        found.append(path)
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int  # 1-based line of the opening fence
+    info: str
+    source: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def split(text: str) -> tuple[list[tuple[int, str]], list[Block]]:
+    """The lines outside fenced blocks (with their numbers) and the fenced blocks."""
+    prose: list[tuple[int, str]] = []
+    blocks: list[Block] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if not opening:
+            prose.append((i + 1, lines[i]))
+            i += 1
+            continue
+        fence = opening["fence"]
+        body: list[str] = []
+        j = i + 1
+        while j < len(lines):
+            closing = FENCE.match(lines[j])
+            if closing and closing["fence"][0] == fence[0] and len(closing["fence"]) >= len(fence):
+                if not closing["info"].strip():
+                    break
+            body.append(lines[j])
+            j += 1
+        blocks.append(Block(Path(), i + 1, opening["info"].strip(), "\n".join(body) + "\n"))
+        i = j + 1
+    return prose, blocks
+
+
+def blocks_of(path: Path) -> list[Block]:
+    _, blocks = split(path.read_text(encoding="utf-8"))
+    return [dataclasses.replace(b, path=path) for b in blocks]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: markup removed, lower case, punctuation dropped, spaces
+    to hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # links keep their text
+    text = re.sub(r"<[^>]+>", "", text)
+    text = text.strip().lower()
+    kept = []
+    for ch in text:
+        if ch in " -_" or unicodedata.category(ch)[0] in "LN":
+            kept.append(ch)
+    return "".join(kept).replace(" ", "-")
+
+
+@cache
+def anchors(path: Path) -> frozenset[str]:
+    prose, _ = split(path.read_text(encoding="utf-8"))
+    seen: dict[str, int] = {}
+    found = set()
+    for _, line in prose:
+        for match in HTML_ANCHOR.finditer(line):
+            found.add(match["name"])
+        heading = HEADING.match(line)
+        if not heading:
+            continue
+        base = slug(heading["text"])
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        found.add(base if count == 0 else f"{base}-{count}")
+    return frozenset(found)
+
+
+def links(path: Path) -> list[tuple[int, str]]:
+    prose, _ = split(path.read_text(encoding="utf-8"))
+    found = []
+    for number, line in prose:
+        without_code = CODE_SPAN.sub("", line)
+        for match in INLINE_LINK.finditer(without_code):
+            found.append((number, match["target"]))
+        definition = REFERENCE_DEF.match(without_code)
+        if definition:
+            found.append((number, definition["target"]))
+    return found
+
+
+def broken_link(path: Path, target: str) -> str | None:
+    """Why ``target`` (a link in ``path``) is broken, or None."""
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target):  # http:, https:, mailto:
+        return None
+    if target.startswith("//"):
+        return "protocol-relative links leave the repository"
+    file_part, _, fragment = target.partition("#")
+    if file_part.startswith("/"):
+        return "absolute paths do not work in a clone or on the package page"
+    destination = (path.parent / unquote(file_part)).resolve() if file_part else path
+    if destination != ROOT and ROOT not in destination.parents:
+        return "points outside the repository"
+    if not destination.exists():
+        return "no such file"
+    if fragment:
+        if destination.suffix != ".md" or destination.is_dir():
+            return None  # line anchors of source files are GitHub's business
+        if unquote(fragment) not in anchors(destination):
+            return f"no heading with the anchor #{fragment} in {destination.relative_to(ROOT)}"
+    return None
+
+
+# -- links ---------------------------------------------------------------------------------
+
+
+def test_there_is_documentation_to_check() -> None:
+    names = {str(p.relative_to(ROOT)) for p in markdown_files()}
+    assert {"README.md", "docs/how-it-works.md", "docs/core.md"} <= names
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(path: Path) -> None:
+    problems = [
+        f"{path.relative_to(ROOT)}:{number}: {target}: {reason}"
+        for number, target in links(path)
+        if (reason := broken_link(path, target))
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def tracked_text_files() -> list[Path]:
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, check=True,
+    ).stdout.decode()  # fmt: skip
+    found = []
+    for name in filter(None, listed.split("\0")):
+        path = ROOT / name
+        if path.is_file() and path.suffix not in {".png", ".jpg", ".gz", ".parquet", ".jar"}:
+            found.append(path)
+    return found
+
+
+def test_no_file_names_the_private_design_notes() -> None:
+    offenders = []
+    for path in tracked_text_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            if any(word in line for word in FORBIDDEN):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_link_checker_catches_what_it_must(tmp_path: Path) -> None:
+    """The checker itself: a missing file, an escape from the repository, a missing anchor."""
+    page = ROOT / "docs" / "how-it-works.md"
+    assert broken_link(page, "core.md") is None
+    assert broken_link(page, "core.md#stores") is None
+    assert broken_link(page, "#events") is None
+    assert broken_link(page, "https://example.org/x") is None
+    assert broken_link(page, "nowhere.md") == "no such file"
+    assert broken_link(page, "../../elsewhere/notes.md") == "points outside the repository"
+    assert "#no-such-heading" in (broken_link(page, "core.md#no-such-heading") or "")
+    assert slug("What it writes (`--out DIR`, replaced on each run)") == (
+        "what-it-writes---out-dir-replaced-on-each-run"
+    )
+    fake = tmp_path / "x.md"
+    fake.write_text("see [a](a.md) and `[b](b.md)`\n\n```sh\n[c](c.md)\n```\n[d]: d.md\n")
+    assert [target for _, target in links(fake)] == ["a.md", "d.md"]
+
+
+# -- snippets --------------------------------------------------------------------------------
+
+
+def snippet_pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def python_blocks() -> list[Block]:
+    return [b for page in snippet_pages() for b in blocks_of(page) if b.info.startswith("python")]
+
+
+def test_python_blocks_use_a_known_info_string() -> None:
+    unknown = [
+        f"{b.id}: {b.info!r}" for b in python_blocks() if b.info not in ("python", "python no-run")
+    ]
+    assert not unknown, "use ```python or ```python no-run:\n" + "\n".join(unknown)
+
+
+@pytest.mark.parametrize(
+    "block", [b for b in python_blocks() if b.info == "python no-run"], ids=lambda b: b.id
+)
+def test_no_run_snippet_compiles(block: Block) -> None:
+    compile(block.source, block.id, "exec")
+
+
+@pytest.mark.parametrize(
+    "block", [b for b in python_blocks() if b.info == "python"], ids=lambda b: b.id
+)
+def test_snippet_runs(block: Block, tmp_path: Path) -> None:
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", block.source], cwd=tmp_path, capture_output=True,
+            text=True, timeout=SNIPPET_TIMEOUT,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{block.id}: still running after {SNIPPET_TIMEOUT}s\n{exc.stderr!r}")
+    assert done.returncode == 0, f"{block.id} failed:\n{done.stdout}\n{done.stderr}"
+
+
+# -- licence -------------------------------------------------------------------------------
+
+
+def test_the_licence_is_declared_and_shipped() -> None:
+    """pyproject declares an SPDX licence with its file (no setuptools deprecation warning), and
+    the file is the Apache License 2.0 in full."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License\n")
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert "END OF TERMS AND CONDITIONS" in text
