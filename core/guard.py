@@ -66,7 +66,8 @@ class _Verdict:
     recheck_in: float | None = None  # when it is alive: judge again after this many seconds
 
 
-#: A redelivery whose pending sends could not be published comes back after this many seconds.
+#: A redelivery whose pending sends could not be published, or that found another dispatcher
+#: publishing them, comes back after at most this many seconds.
 _REDISPATCH_RETRY = 5.0
 
 
@@ -303,6 +304,10 @@ class Guard:
         when a publish failed or the mark was refused: they stay pending for a redelivery or
         the relay (the children's ids are fixed, so their guard drops a second copy)."""
         if not self._publish_all(key, texts):
+            try:  # let the next dispatcher try at once rather than when this lease runs out
+                self.store.take_sends(key, token, 0.0)
+            except StoreUnavailable:
+                pass
             return False
         try:
             return self.store.dispatched(key, token)
@@ -357,7 +362,9 @@ class Guard:
                 return True
             retry_after = _REDISPATCH_RETRY
         elif lease.retry_after > 0:
-            retry_after = lease.retry_after
+            # Usually the recorder itself, publishing right now: look again soon rather than
+            # at the end of its lease.
+            retry_after = min(lease.retry_after, _REDISPATCH_RETRY)
         else:
             return True  # published meanwhile
         ticket.decision = Decision.DEFER
@@ -556,6 +563,9 @@ class Guard:
         encoded, encode_error = _encode(result, ticket) if policy.store_result else (None, None)
         # The sends' dispatch token: the claim's owner token (eager), a fresh one (lazy).
         token = ticket.owner or (secrets.token_hex(16) if sends else "")
+        # The recorder holds the sends' dispatch lease while it publishes them: a redelivery
+        # arriving in between waits instead of publishing them a second time.
+        hold = self.dispatch_lease
         recorded = False
         try:
             if policy.mode == "eager":
@@ -566,14 +576,16 @@ class Guard:
                     self._final_write(
                         ticket,
                         lambda: self.store.complete_in(  # type: ignore[attr-defined]
-                            session, key, owner, policy.keep_for, encoded, sends
+                            session, key, owner, policy.keep_for, encoded, sends, hold
                         ),
                     )
                     self._commit(ticket)
                 elif sends:
                     self._final_write(
                         ticket,
-                        lambda: self.store.complete(key, owner, policy.keep_for, encoded, sends),
+                        lambda: self.store.complete(
+                            key, owner, policy.keep_for, encoded, sends, hold
+                        ),
                     )
                 else:  # a task that sends nothing calls exactly what it did before the hand-off
                     self._final_write(
@@ -589,7 +601,7 @@ class Guard:
                     wrote = self._final_write(
                         ticket,
                         lambda: self.store.mark_in(  # type: ignore[attr-defined]
-                            session, key, policy.keep_for, fp, encoded, sends, token
+                            session, key, policy.keep_for, fp, encoded, sends, token, hold
                         ),
                     )
                     wrote = bool(wrote) and self._commit(ticket, duplicate_ok=True)
@@ -598,7 +610,7 @@ class Guard:
                         self._final_write(
                             ticket,
                             lambda: self.store.mark(
-                                key, policy.keep_for, fp, encoded, sends, token
+                                key, policy.keep_for, fp, encoded, sends, token, hold
                             ),
                         )
                     )

@@ -135,10 +135,18 @@ class KillableStore(Store):
         return self.inner.seen(worker)
 
     def complete(
-        self, key: str, owner: str, keep_for: float, result: str | None, sends: Sequence[str] = ()
+        self,
+        key: str,
+        owner: str,
+        keep_for: float,
+        result: str | None,
+        sends: Sequence[str] = (),
+        dispatch_lease: float = 0.0,
     ) -> None:
         self.killer.call(
-            "complete", key, lambda: self.inner.complete(key, owner, keep_for, result, sends)
+            "complete",
+            key,
+            lambda: self.inner.complete(key, owner, keep_for, result, sends, dispatch_lease),
         )
 
     def release(self, key: str, owner: str | None) -> None:
@@ -155,9 +163,14 @@ class KillableStore(Store):
         result: str | None,
         sends: Sequence[str] = (),
         token: str = "",
+        dispatch_lease: float = 0.0,
     ) -> bool:
         return self.killer.call(  # type: ignore[no-any-return]
-            "mark", key, lambda: self.inner.mark(key, keep_for, fingerprint, result, sends, token)
+            "mark",
+            key,
+            lambda: self.inner.mark(
+                key, keep_for, fingerprint, result, sends, token, dispatch_lease
+            ),
         )
 
     def get(self, key: str) -> Record | None:

@@ -87,7 +87,7 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
             pending = self.sends.get(key)
             if pending is None:
                 assert lease.sends == () and lease.retry_after == 0
-            elif pending[2]:
+            elif pending[2] and pending[1] != token:  # leased elsewhere (its holder may retake)
                 assert lease.sends == () and 0 < lease.retry_after <= LEASE
             else:
                 assert lease.sends == pending[0] and lease.retry_after == 0

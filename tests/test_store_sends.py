@@ -61,6 +61,24 @@ def test_dispatch_lease_fences_dispatchers(store: Store) -> None:
     assert store.take_sends("q:k", "relay-3", 30) == taskonce.stores.SendLease()
 
 
+def test_the_recorder_holds_its_sends_while_it_publishes(store: Store) -> None:
+    """complete/mark with a dispatch lease: a redelivery arriving between the record and the
+    recorder's ``dispatched`` is told to wait, never handed the same sends to publish again."""
+    store.claim("q:c", "owner", 60, 600, None)
+    store.complete("q:c", "owner", 600, None, SENDS, 0.5)
+    assert store.mark("q:m", 600, None, None, SENDS, "marker", 0.5) is True
+    for key, recorder in (("q:c", "owner"), ("q:m", "marker")):
+        waiting = store.take_sends(key, "redelivery", 30)
+        assert waiting.sends == () and 0 < waiting.retry_after <= 0.5
+        assert store.dispatched(key, recorder)  # the recorder still holds them
+        assert store.take_sends(key, "redelivery", 30) == taskonce.stores.SendLease()
+    # a recorder that died after the record: its hold runs out and a redelivery takes over
+    store.mark("q:dead", 600, None, None, SENDS, "dead", 0.3)
+    wait_for(lambda: store.take_sends("q:dead", "redelivery", 30).sends, timeout=10, what="hold")
+    assert not store.dispatched("q:dead", "dead")
+    assert store.dispatched("q:dead", "redelivery")
+
+
 def test_relay_listing_oldest_first_and_by_age(store: Store) -> None:
     for name in ("q:a", "q:b", "q:c"):
         store.mark(name, 600, None, None, SENDS, "t")

@@ -167,12 +167,15 @@ class Store(abc.ABC):
         keep_for: float,
         result: str | None,
         sends: Sequence[str] = (),
+        dispatch_lease: float = 0.0,
     ) -> None:
         """Turn ``owner``'s claim into a mark kept ``keep_for`` seconds; :class:`LeaseLost` if
         the claim is no longer ``owner``'s.
 
         ``sends`` (JSON texts) are recorded with the mark in the same atomic write, pending,
-        with ``owner`` as their dispatch token (see :meth:`dispatched`)."""
+        with ``owner`` as their dispatch token (see :meth:`dispatched`), which holds their
+        dispatch lease for ``dispatch_lease`` seconds: a redelivery that arrives while the
+        recorder publishes them waits instead of publishing them a second time."""
 
     @abc.abstractmethod
     def release(self, key: str, owner: str | None) -> None:
@@ -194,12 +197,14 @@ class Store(abc.ABC):
         result: str | None,
         sends: Sequence[str] = (),
         token: str = "",
+        dispatch_lease: float = 0.0,
     ) -> bool:
         """Record ``key`` as handled for ``keep_for`` seconds (lazy mode).
 
         True when this call wrote the mark; False when a live record already existed (a
         concurrent duplicate ran too), in which case nothing changes. ``sends`` are recorded
-        with the mark in the same atomic write, pending, with ``token`` as dispatch token.
+        with the mark in the same atomic write, pending, with ``token`` as dispatch token
+        holding their dispatch lease for ``dispatch_lease`` seconds (as in :meth:`complete`).
         """
 
     # -- the hand-off: sends recorded with the outcome -----------------------------------------
@@ -209,7 +214,8 @@ class Store(abc.ABC):
         """Take the dispatch lease of ``key``'s pending sends for ``lease`` seconds under
         ``token``, if they were recorded at least ``older_than`` seconds ago and no other
         dispatcher holds a live lease. Returns the sends (empty when none are pending or the
-        lease is held elsewhere, then with ``retry_after`` = the lease's remaining time)."""
+        lease is held elsewhere, then with ``retry_after`` = the lease's remaining time).
+        The lease's holder may take it again: to renew it, or with ``lease=0`` to let it go."""
 
     @abc.abstractmethod
     def dispatched(self, key: str, token: str) -> bool:

@@ -162,6 +162,7 @@ class MemoryStore(Store):
         keep_for: float,
         result: str | None,
         sends: Sequence[str] = (),
+        dispatch_lease: float = 0.0,
     ) -> None:
         with self._lock:
             now = self._clock()
@@ -172,7 +173,7 @@ class MemoryStore(Store):
             entry.result = result
             entry.expires_at = now + keep_for  # lease_until stays: the record was claimed
             if sends:
-                _record_sends(entry, sends, owner, now)
+                _record_sends(entry, sends, owner, now, dispatch_lease)
 
     def release(self, key: str, owner: str | None) -> None:
         with self._lock:
@@ -196,6 +197,7 @@ class MemoryStore(Store):
         result: str | None,
         sends: Sequence[str] = (),
         token: str = "",
+        dispatch_lease: float = 0.0,
     ) -> bool:
         with self._lock:
             now = self._clock()
@@ -211,7 +213,7 @@ class MemoryStore(Store):
                 lease_until=0.0,
             )
             if sends:
-                _record_sends(entry, sends, token, now)
+                _record_sends(entry, sends, token, now, dispatch_lease)
             return True
 
     def take_sends(self, key: str, token: str, lease: float, older_than: float = 0.0) -> SendLease:
@@ -220,7 +222,7 @@ class MemoryStore(Store):
             entry = self._entries.get(key)
             if entry is None or not entry.sends or entry.sends_at > now - older_than:
                 return SendLease()
-            if entry.sends_lease > now:
+            if entry.sends_lease > now and entry.sends_token != token:
                 return SendLease(retry_after=entry.sends_lease - now)
             entry.sends_token = token
             entry.sends_lease = now + lease
@@ -306,8 +308,10 @@ class MemoryStore(Store):
         return "MemoryStore (this process only)"
 
 
-def _record_sends(entry: _Entry, sends: Sequence[str], token: str, now: float) -> None:
+def _record_sends(
+    entry: _Entry, sends: Sequence[str], token: str, now: float, dispatch_lease: float
+) -> None:
     entry.sends = tuple(sends)
     entry.sends_token = token
     entry.sends_at = now
-    entry.sends_lease = 0.0
+    entry.sends_lease = now + dispatch_lease

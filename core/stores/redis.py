@@ -204,20 +204,23 @@ return 1
 
 # The hand-off variants, used only when the handler sent something (a task that sends nothing
 # runs the plain scripts, with not one argument more). Extra ARGV: index, sends JSON, member
-# (the key without prefix), and for marks the dispatch token.
+# (the key without prefix), for marks the dispatch token, then the recorder's dispatch lease
+# (ms): the recorder holds the sends while it publishes them, so a redelivery waits.
 _COMPLETE_SENDS = _COMPLETE.replace(
-    "'st', 'c'", "'st', 'p', 'sd', ARGV[6], 'sk', ARGV[1], 'sa', ms(now)"
+    "'st', 'c'",
+    "'st', 'p', 'sd', ARGV[6], 'sk', ARGV[1], 'sa', ms(now), 'sl', ms(now + tonumber(ARGV[8]))",
 ).replace("return 1\n", "redis.call('ZADD', ARGV[5], now, ARGV[7])\nreturn 1\n")
 
 # KEYS[1] record; ARGV token, lease_ms, min_age_ms, index, member. Reply: 0 nothing to take
 # (none pending, or too young), {ms} another dispatcher's lease has ms left, or the sends JSON.
+# The lease's own holder may take it again: to renew it, or with lease 0 to let it go.
 _TAKE_SENDS = (
     _PROLOGUE
     + """
-local h = redis.call('HMGET', KEYS[1], 'st', 'sa', 'sl', 'sd')
+local h = redis.call('HMGET', KEYS[1], 'st', 'sa', 'sl', 'sd', 'sk')
 if h[1] ~= 'p' then redis.call('ZREM', ARGV[4], ARGV[5]) return 0 end
 if tonumber(h[2]) > now - tonumber(ARGV[3]) then return 0 end
-if h[3] and tonumber(h[3]) > now then return {tonumber(h[3]) - now} end
+if h[3] and tonumber(h[3]) > now and h[5] ~= ARGV[1] then return {tonumber(h[3]) - now} end
 redis.call('HSET', KEYS[1], 'sk', ARGV[1], 'sl', ms(now + tonumber(ARGV[2])))
 return h[4]
 """
@@ -284,7 +287,8 @@ return 1
 )
 _MARK_SENDS = _MARK.replace(
     "'st', 'c', 'ca', ms(now)",
-    "'st', 'p', 'ca', ms(now), 'sd', ARGV[7], 'sk', ARGV[9], 'sa', ms(now)",
+    "'st', 'p', 'ca', ms(now), 'sd', ARGV[7], 'sk', ARGV[9], 'sa', ms(now),"
+    " 'sl', ms(now + tonumber(ARGV[10]))",
 ).replace("return 1\n", "redis.call('ZADD', ARGV[6], now, ARGV[8])\nreturn 1\n")
 
 # KEYS[1] record. Reply: nil when absent or expired, else {now, st, ow, fp, rs, ca, lu, ex, wk,
@@ -808,6 +812,7 @@ class RedisStore(Store):
         keep_for: float,
         result: str | None,
         sends: Sequence[str] = (),
+        dispatch_lease: float = 0.0,
     ) -> None:
         """Turn ``owner``'s claim into a mark kept ``keep_for`` seconds, with ``sends`` pending
         (same script); :class:`LeaseLost` if the claim is no longer ``owner``'s."""
@@ -815,7 +820,7 @@ class RedisStore(Store):
         script = self._complete
         if sends:
             script = self._complete_sends
-            args = (*args, self._index, json.dumps(list(sends)), key)
+            args = (*args, self._index, json.dumps(list(sends)), key, _ms(dispatch_lease))
         if not int(self._run("complete", script, key, args)):
             raise LeaseLost(key, "complete")
 
@@ -848,6 +853,7 @@ class RedisStore(Store):
         result: str | None,
         sends: Sequence[str] = (),
         token: str = "",
+        dispatch_lease: float = 0.0,
     ) -> bool:
         """Record ``key`` as handled for ``keep_for`` seconds, with ``sends`` pending (same
         script); False when a live record exists."""
@@ -855,7 +861,7 @@ class RedisStore(Store):
         script = self._mark
         if sends:
             script = self._mark_sends
-            args = (*args, self._index, json.dumps(list(sends)), key, token)
+            args = (*args, self._index, json.dumps(list(sends)), key, token, _ms(dispatch_lease))
         return bool(int(self._run("mark", script, key, args)))
 
     def take_sends(self, key: str, token: str, lease: float, older_than: float = 0.0) -> SendLease:

@@ -361,7 +361,14 @@ class _Statements:
         sends = sa.bindparam("p_sends", type_=sa.Text())
         token = sa.bindparam("p_token", type_=sa.String())
         age = sa.bindparam("p_age", type_=dbl)
-        with_sends = {"status": sending, "sends": sends, "sends_token": token, "sends_at": now}
+        send_lease = sa.bindparam("p_send_lease", type_=dbl)
+        with_sends = {
+            "status": sending,
+            "sends": sends,
+            "sends_token": token,
+            "sends_at": now,
+            "sends_lease": now + send_lease,
+        }
 
         self.lease_remaining = sa.case(
             (sa.and_(c.status == in_progress, c.lease_until > now), c.lease_until - now),
@@ -569,6 +576,7 @@ class _Statements:
                 "sends": sends,
                 "sends_token": token,
                 "sends_at": now,
+                "sends_lease": now + send_lease,
             }
         )
         self.mark_replace_expired_sends = self.mark_replace_expired.values(with_sends)
@@ -577,7 +585,10 @@ class _Statements:
         pending = sa.and_(c.key == k, c.status == sending, c.sends_at <= now - age)
         self.take_sends = (
             sa.update(table)
-            .where(pending, sa.or_(c.sends_lease.is_(None), c.sends_lease <= now))
+            .where(
+                pending,
+                sa.or_(c.sends_lease.is_(None), c.sends_lease <= now, c.sends_token == token),
+            )
             .values(sends_token=token, sends_lease=now + lease)
         )
         self.read_sends = sa.select(
@@ -1048,9 +1059,10 @@ class SQLStore(Store):
         keep_for: float,
         result: str | None,
         sends: Sequence[str] = (),
+        dispatch_lease: float = 0.0,
     ) -> None:
         with self._connect("complete") as connection:
-            self._complete(connection, key, owner, keep_for, result, sends)
+            self._complete(connection, key, owner, keep_for, result, sends, dispatch_lease)
 
     def _complete(
         self,
@@ -1060,12 +1072,15 @@ class SQLStore(Store):
         keep_for: float,
         result: str | None,
         sends: Sequence[str],
+        dispatch_lease: float,
     ) -> None:
         params = {"p_key": key, "p_owner": owner, "p_keep": float(keep_for), "p_result": result}
         statement = self._sql.complete
         if sends:
             statement = self._sql.complete_sends
-            params.update(p_sends=json.dumps(list(sends)), p_token=owner)
+            params.update(
+                p_sends=json.dumps(list(sends)), p_token=owner, p_send_lease=float(dispatch_lease)
+            )
         if _rowcount(connection.execute(statement, params)) != 1:
             raise LeaseLost(key, "complete")
 
@@ -1095,12 +1110,21 @@ class SQLStore(Store):
         result: str | None,
         sends: Sequence[str] = (),
         token: str = "",
+        dispatch_lease: float = 0.0,
     ) -> bool:
         _check_key(key)
         _check_token("fingerprint", fingerprint)
         with self._connect("mark") as connection:
             return self._mark(
-                connection, key, keep_for, fingerprint, result, sends, token, locking=False
+                connection,
+                key,
+                keep_for,
+                fingerprint,
+                result,
+                sends,
+                token,
+                dispatch_lease,
+                locking=False,
             )
 
     def _mark(
@@ -1112,6 +1136,7 @@ class SQLStore(Store):
         result: str | None,
         sends: Sequence[str],
         token: str,
+        dispatch_lease: float,
         *,
         locking: bool,
     ) -> bool:
@@ -1126,7 +1151,9 @@ class SQLStore(Store):
         if sends:
             _check_token("token", token)
             insert, replace = sql.mark_insert_sends, sql.mark_replace_expired_sends
-            params.update(p_sends=json.dumps(list(sends)), p_token=token)
+            params.update(
+                p_sends=json.dumps(list(sends)), p_token=token, p_send_lease=float(dispatch_lease)
+            )
         liveness = sql.liveness_locking if locking else sql.liveness
         for _ in range(_RACE_ATTEMPTS):
             if _rowcount(connection.execute(insert, params)) == 1:
@@ -1251,6 +1278,7 @@ class SQLStore(Store):
         keep_for: float,
         result: str | None,
         sends: Sequence[str] = (),
+        dispatch_lease: float = 0.0,
     ) -> None:
         """:meth:`complete`, written through ``session``'s transaction (not committed here),
         with ``sends``: the handler's rows, the mark and its sends commit together.
@@ -1258,7 +1286,9 @@ class SQLStore(Store):
         :class:`LeaseLost` when the claim is no longer ``owner``'s.
         """
         with self._errors("complete_in"):
-            self._complete(session.connection(), key, owner, keep_for, result, sends)
+            self._complete(
+                session.connection(), key, owner, keep_for, result, sends, dispatch_lease
+            )
 
     def mark_in(
         self,
@@ -1269,6 +1299,7 @@ class SQLStore(Store):
         result: str | None,
         sends: Sequence[str] = (),
         token: str = "",
+        dispatch_lease: float = 0.0,
     ) -> bool:
         """:meth:`mark`, written through ``session``'s transaction (not committed here), with
         ``sends``.
@@ -1289,6 +1320,7 @@ class SQLStore(Store):
                 result,
                 sends,
                 token,
+                dispatch_lease,
                 locking=True,
             )
 
