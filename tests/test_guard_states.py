@@ -26,7 +26,9 @@ from taskonce.errors import LeaseLost
 from taskonce.stores import Status
 from tests.helpers import drop_store, make_store, wait_for
 
-LEASE = 1.0
+# Long enough that the heartbeat (every LEASE / 3) keeps a running claim alive on a loaded
+# machine; a starved heartbeat would rightly let another delivery take the claim over.
+LEASE = 1.5
 KEYS = ("k0", "k1", "k2")
 # A take-over is legitimate only once the dead owner's lease has run out; this much slack
 # covers the difference between this process's clock and the store's.
@@ -128,6 +130,7 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
         def teardown(self) -> None:
             for ticket in self.running.values():
                 self.guard._stop_heartbeat(ticket)
+            self.guard._liveness.stop()  # before its store goes away
             drop_store(self.store)
             self.tmp.cleanup()
 
