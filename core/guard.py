@@ -66,6 +66,12 @@ class _Verdict:
     recheck_in: float | None = None  # when it is alive: judge again after this many seconds
 
 
+#: Seconds a handler's recorder holds its sends after recording them, to publish them
+#: (milliseconds, normally). Short, so that when its worker dies right after the record a
+#: redelivery or the relay publishes them within seconds; a recorder still publishing after
+#: this may see them published twice, under the same ids (a guarded child drops the second).
+RECORDER_HOLD = 10.0
+
 #: A redelivery whose pending sends could not be published, or that found another dispatcher
 #: publishing them, comes back after at most this many seconds.
 _REDISPATCH_RETRY = 5.0
@@ -565,7 +571,7 @@ class Guard:
         token = ticket.owner or (secrets.token_hex(16) if sends else "")
         # The recorder holds the sends' dispatch lease while it publishes them: a redelivery
         # arriving in between waits instead of publishing them a second time.
-        hold = self.dispatch_lease
+        hold = min(self.dispatch_lease, RECORDER_HOLD)
         recorded = False
         try:
             if policy.mode == "eager":
