@@ -41,9 +41,7 @@ _SENDS = {
     "sends_discarded": "discarded",
 }
 
-_registered: weakref.WeakKeyDictionary[CollectorRegistry, _Metrics] = (
-    weakref.WeakKeyDictionary()
-)
+_registered: weakref.WeakKeyDictionary[CollectorRegistry, _Metrics] = weakref.WeakKeyDictionary()
 _registered_lock = threading.Lock()
 
 
@@ -64,7 +62,7 @@ class _Metrics:
         client = _client()
         self.events = client.Counter(
             "taskonce_events",
-            "Guard decisions and outcomes, by event name (claimed, completed, duplicate_skipped, …)",
+            "Guard decisions and outcomes by event name (claimed, completed, duplicate_skipped…)",
             ("event", *LABELS),
             registry=registry,
         )
@@ -201,9 +199,10 @@ def scrape_registry(store: Store | None = None) -> CollectorRegistry:
     client = _client()
     from prometheus_client import multiprocess
 
+    registry: CollectorRegistry
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = client.CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
     else:
         registry = client.REGISTRY
     if store is not None:
