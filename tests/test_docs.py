@@ -5,10 +5,10 @@ CONTRIBUTING, CHANGELOG, …) points at a file inside the repository, and a ``#f
 heading of that file (GitHub's heading anchors). No file names the team's private design
 notes: everything a user needs is in docs/.
 
-Snippets: every fenced block in README.md and docs/*.md whose info string is exactly
-``python`` runs (docs/ and its subfolders: every page of the site), **each as its own Python program** (a fresh interpreter, nothing shared with
-the other blocks) in a fresh temporary working directory, so relative paths such as
-``sqlite:///taskonce.db`` or ``events.jsonl`` land there and vanish. A block must succeed (exit
+Snippets: every fenced block in README.md and docs/ (every page of the site, subfolders too)
+whose info string is exactly ``python`` runs, **each as its own Python program** (a fresh
+interpreter, nothing shared with the other blocks) in a fresh temporary working directory, so
+relative paths such as ``sqlite:///taskonce.db`` or ``events.jsonl`` land there and vanish. A block must succeed (exit
 status 0) within ``SNIPPET_TIMEOUT`` seconds. Blocks that need something the test cannot
 provide (a running worker, your own app module, a cluster) use the info string
 ``python no-run``: they are only compiled. Any other info string starting with ``python`` is
