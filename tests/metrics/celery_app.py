@@ -31,13 +31,9 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
 )
-setup(
-    app,
-    taskonce.Guard(
-        taskonce.open_store(ENV["MX_STORE"], prefix=ENV["MX_STORE_NS"]),
-        events=[RaisingSink(), taskonce.PrometheusEvents()],
-    ),
-)
+metrics = taskonce.PrometheusEvents()
+store = metrics.time_store(taskonce.open_store(ENV["MX_STORE"], prefix=ENV["MX_STORE_NS"]))
+setup(app, taskonce.Guard(store, events=[RaisingSink(), metrics]))
 _runs = redis.Redis.from_url(ENV["MX_STORE"])
 
 

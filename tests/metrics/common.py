@@ -10,8 +10,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 
-from tests.helpers import free_port
-
 
 class RaisingSink:
     """A sink that fails on every event; the guard must log it and go on unchanged."""
@@ -27,8 +25,9 @@ class Scraper:
     def __init__(self, directory: Path) -> None:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=str(directory))
-        self.port = free_port()
-        self.server, self.thread = start_http_server(self.port, "127.0.0.1", registry=registry)
+        # port 0: the system picks a free one, so no other test can take it in between
+        self.server, self.thread = start_http_server(0, "127.0.0.1", registry=registry)
+        self.port = int(self.server.server_address[1])
 
     def text(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as reply:

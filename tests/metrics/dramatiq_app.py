@@ -22,14 +22,9 @@ ENV = os.environ
 PREFIX = ENV["MX_PREFIX"]
 
 broker = RedisBroker(url=ENV["MX_BROKER"], namespace=PREFIX)
-broker.add_middleware(
-    IdempotencyMiddleware(
-        taskonce.Guard(
-            taskonce.open_store(ENV["MX_STORE"], prefix=ENV["MX_STORE_NS"]),
-            events=[RaisingSink(), taskonce.PrometheusEvents()],
-        )
-    )
-)
+metrics = taskonce.PrometheusEvents()
+store = metrics.time_store(taskonce.open_store(ENV["MX_STORE"], prefix=ENV["MX_STORE_NS"]))
+broker.add_middleware(IdempotencyMiddleware(taskonce.Guard(store, events=[RaisingSink(), metrics])))
 dramatiq.set_broker(broker)
 _runs = redis.Redis.from_url(ENV["MX_STORE"])
 

@@ -19,6 +19,7 @@ def exposed() -> set[str]:
     """Every sample name the exposition has once each kind of event was seen."""
     registry = CollectorRegistry()
     sink = PrometheusEvents(registry)
+    sink.time_store(taskonce.open_store("memory://")).get("q:m")
     base = {"key": "q:m", "queue": "q", "task": "t", "framework": "python"}
     sink.emit({**base, "event": "lease_taken_over", "reason": "owner_dead", "recovery_s": 0.5})
     sink.emit({**base, "event": "completed", "duration_ms": 3.0})

@@ -1,7 +1,8 @@
 """PrometheusEvents in real multi-process workers: a ``celery worker -P prefork -c 2`` and a
 ``dramatiq --processes 2`` worker, each writing to its own ``PROMETHEUS_MULTIPROC_DIR``, scraped
 over HTTP as Prometheus would. After N messages and K duplicates of them the scraped text shows
-N claims, N completions, K skipped duplicates, N handler durations and no claim left in progress;
+N claims, N completions, K skipped duplicates, N handler durations, N + K timed store claims
+and no claim left in progress;
 each handler ran N times in all. Every event also went to a sink that raises: the outcomes are
 the same, and the worker logged the sink's failures.
 """
@@ -113,6 +114,10 @@ def check_scrape(run: dict[str, Any], framework: str, task: str, queue: str) -> 
     assert value("taskonce_handler_duration_seconds_count", outcome="completed") == N, text
     assert value("taskonce_handler_duration_seconds_bucket", outcome="completed", le="+Inf") == N
     assert value("taskonce_claims_in_progress") == 0, text
+    # every delivery made one claim (the duplicates' found the key handled), every run completed
+    calls = "taskonce_store_call_duration_seconds_count"
+    assert scraper.value(calls, text, operation="claim", store="RedisStore") == N + K, text
+    assert scraper.value(calls, text, operation="complete", store="RedisStore") == N, text
     runs = redis.Redis.from_url(REDIS_URL).get(f"{run['prefix']}:runs")
     assert int(runs or 0) == N  # each message ran once, the broken sink notwithstanding
     assert "event sink" in worker_log(run) and "this sink is broken" in worker_log(run)

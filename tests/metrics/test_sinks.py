@@ -116,6 +116,21 @@ def test_one_registry_takes_several_sinks() -> None:
                   queue="q", task="builtins.len", framework="python") == 2  # fmt: skip
 
 
+def test_time_store_times_each_call_once_and_keeps_the_store() -> None:
+    registry = CollectorRegistry()
+    sink = PrometheusEvents(registry)
+    store = taskonce.open_store("memory://")
+    assert sink.time_store(sink.time_store(store)) is store  # timed once, however often asked
+    guard = taskonce.Guard(store, events=[sink])
+    guard.run("m1", "q", charge, "A")
+    guard.run("m1", "q", charge, "A")
+    guard.run("m2", "q", charge, "A")
+    count = "taskonce_store_call_duration_seconds_count"
+    assert sample(registry, count, operation="claim", store="MemoryStore") == 3
+    assert sample(registry, count, operation="complete", store="MemoryStore") == 2
+    assert isinstance(store, taskonce.Store) and store.get("q:m1") is not None
+
+
 def test_a_raising_sink_changes_no_outcome(caplog: pytest.LogCaptureFixture) -> None:
     registry = CollectorRegistry()
     runs: list[str] = []
