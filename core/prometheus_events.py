@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 import threading
 import time
 import weakref
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
     from taskonce.stores.base import Store
 
+MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 #: The labels every per-delivery metric carries. Never the key or message id: one series per
 #: message would grow without bound.
 LABELS = ("queue", "task", "framework")
@@ -261,7 +263,7 @@ def scrape_registry(store: Store | None = None) -> CollectorRegistry:
     from prometheus_client import multiprocess
 
     registry: CollectorRegistry
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if os.environ.get(MULTIPROC_DIR):
         registry = client.CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
     else:
@@ -284,18 +286,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m taskonce.prometheus_events --port 9808 [--store URL]``: serve the metrics of
     every worker process writing to ``PROMETHEUS_MULTIPROC_DIR`` until interrupted."""
     parser = argparse.ArgumentParser(prog="python -m taskonce.prometheus_events")
-    parser.add_argument("--port", type=int, default=9808)
+    parser.add_argument("--port", type=int, default=9808, help="0: any free port (printed)")
     parser.add_argument("--addr", default="0.0.0.0")  # noqa: S104
     parser.add_argument("--store", help="store URL: also report taskonce_sends_pending")
     options = parser.parse_args(argv)
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if not os.environ.get(MULTIPROC_DIR):
         parser.error("set PROMETHEUS_MULTIPROC_DIR to the directory the workers write to")
     store = None
     if options.store:
         from taskonce.stores import open_store
 
         store = open_store(options.store)
-    serve(options.port, options.addr, store)
+    server, _ = serve(options.port, options.addr, store)
+    host, port = server.server_address[:2]
+    sys.stdout.write(f"serving http://{host}:{port}/metrics from {os.environ[MULTIPROC_DIR]}\n")
+    sys.stdout.flush()
     try:
         threading.Event().wait()
     except KeyboardInterrupt:

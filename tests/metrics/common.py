@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import re
+import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+
+from tests.helpers import wait_for
 
 
 class RaisingSink:
@@ -19,19 +22,41 @@ class RaisingSink:
 
 
 class Scraper:
-    """An HTTP ``/metrics`` endpoint over a ``PROMETHEUS_MULTIPROC_DIR``, as a Prometheus
-    server would scrape it, and the values read back from the text."""
+    """A ``/metrics`` endpoint, scraped over HTTP as a Prometheus server would, and the values
+    read back from the text. By default an endpoint in this process over a
+    ``PROMETHEUS_MULTIPROC_DIR``; :meth:`at` points one at another process's endpoint."""
 
-    def __init__(self, directory: Path) -> None:
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry, path=str(directory))
-        # port 0: the system picks a free one, so no other test can take it in between
-        self.server, self.thread = start_http_server(0, "127.0.0.1", registry=registry)
-        self.port = int(self.server.server_address[1])
+    def __init__(self, directory: Path | None = None) -> None:
+        self.server: Any = None
+        self.url = ""
+        if directory is not None:
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry, path=str(directory))
+            # port 0: the system picks a free one, so no other test can take it in between
+            self.server, _ = start_http_server(0, "127.0.0.1", registry=registry)
+            self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
+
+    @classmethod
+    def at(cls, url: str) -> Scraper:
+        scraper = cls()
+        scraper.url = url
+        return scraper
 
     def text(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as reply:
-            return str(reply.read().decode())
+        """The scraped text. A scrape that meets a metrics file a worker process is creating at
+        that moment fails (HTTP 500: prometheus-client reads the file before its header is
+        written); Prometheus would try again at its next interval, and so does this."""
+
+        def scrape() -> str | None:
+            try:
+                with urllib.request.urlopen(self.url, timeout=10) as reply:
+                    return str(reply.read().decode())
+            except urllib.error.HTTPError as exc:
+                if exc.code == 500:
+                    return None
+                raise
+
+        return str(wait_for(scrape, timeout=30, interval=0.1, what=f"a scrape of {self.url}"))
 
     def value(self, name: str, text: str | None = None, **labels: str) -> float:
         """The sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
@@ -46,5 +71,6 @@ class Scraper:
         return total
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()

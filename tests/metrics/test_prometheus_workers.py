@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,14 +57,13 @@ def run(tmp_path: Path) -> Iterator[dict[str, Any]]:
         yield state
     finally:
         scraper.close()
-        process = state.get("process")
-        if process is not None:
+        for process in (state.get("exposition"), state.get("process")):
+            if process is None:
+                continue
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
@@ -83,12 +83,29 @@ def start(run: dict[str, Any], command: list[str]) -> subprocess.Popen[bytes]:
     return process
 
 
+def start_exposition(run: dict[str, Any]) -> Scraper:
+    """The documented scrape setup: ``python -m taskonce.prometheus_events`` next to the
+    workers, on the same directory, with the store for ``taskonce_sends_pending``."""
+    store = f"{REDIS_URL}?prefix={run['prefix']}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "taskonce.prometheus_events", "--port", "0", "--addr",
+         "127.0.0.1", "--store", store],
+        cwd=ROOT, env=run["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    run["exposition"] = process
+    assert process.stdout is not None
+    line = process.stdout.readline().decode()  # "serving http://127.0.0.1:PORT/metrics from …"
+    assert line.startswith("serving http://127.0.0.1:"), line + process.stdout.read().decode()
+    return Scraper.at(line.split()[1])
+
+
 def worker_log(run: dict[str, Any]) -> str:
     return Path(run["log"]).read_text(errors="replace")
 
 
 def wait_for_count(run: dict[str, Any], event: str, expected: int) -> None:
-    scraper: Scraper = run["scraper"]
+    scraper: Scraper = run.get("exposed") or run["scraper"]
 
     def reached() -> bool:
         if run["process"].poll() is not None:
@@ -99,7 +116,7 @@ def wait_for_count(run: dict[str, Any], event: str, expected: int) -> None:
 
 
 def check_scrape(run: dict[str, Any], framework: str, task: str, queue: str) -> None:
-    scraper: Scraper = run["scraper"]
+    scraper: Scraper = run.get("exposed") or run["scraper"]
     text = scraper.text()
     labels = {"framework": framework, "task": task, "queue": queue}
 
@@ -171,6 +188,7 @@ def test_dramatiq_multiprocess_worker_metrics_count_messages_and_duplicates(
         sys.executable, "-m", "dramatiq", "tests.metrics.dramatiq_app:broker",
         "--processes", "2", "--threads", "2", "--path", str(ROOT),
     ])  # fmt: skip
+    run["exposed"] = start_exposition(run)
     broker = RedisBroker(url=BROKER_URL, namespace=prefix)
     broker.declare_queue(prefix)
 
@@ -190,3 +208,5 @@ def test_dramatiq_multiprocess_worker_metrics_count_messages_and_duplicates(
     finally:
         broker.close()
     check_scrape(run, "dramatiq", "mx_work", prefix)
+    text = run["exposed"].text()
+    assert re.search(r"^taskonce_sends_pending 0\.0$", text, re.MULTILINE), text  # from the store
