@@ -166,6 +166,18 @@ def test_a_missing_extra_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> N
         taskonce.OpenTelemetryEvents()
 
 
+def test_the_exposition_command_needs_the_metrics_directory(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from taskonce.prometheus_events import main
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        main(["--port", "0"])
+    assert exited.value.code == 2
+    assert "set PROMETHEUS_MULTIPROC_DIR" in capsys.readouterr().err
+
+
 @pytest.fixture
 def otel() -> Any:
     exporter = InMemorySpanExporter()
