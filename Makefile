@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench install clean
+.PHONY: demo test lint typecheck docs bench install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	.ci/services
-	$(MAKE) lint typecheck
+	$(MAKE) lint typecheck docs
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -34,8 +34,17 @@ typecheck: $(STAMP)
 	for d in celery_ext dramatiq_ext spark_ext demo; do ln -s ../../../$$d build/typecheck/taskonce/$$d; done
 	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p taskonce
 
+# The documentation site (mkdocs.yml) into site/; --strict fails on a broken link, a missing
+# anchor or an API reference that does not resolve. mkdocstrings reads the code from a link
+# tree under its import names, as mypy does.
+docs: $(STAMP)
+	rm -rf build/docs-src && mkdir -p build/docs-src/taskonce
+	for f in core/*; do ln -s ../../../$$f build/docs-src/taskonce/; done
+	for d in celery_ext dramatiq_ext spark_ext demo; do ln -s ../../../$$d build/docs-src/taskonce/$$d; done
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 bench: $(STAMP)
 	$(PY) bench/store_ops.py
 
 clean:
-	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build site .pytest_cache .mypy_cache .ruff_cache .hypothesis

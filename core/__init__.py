@@ -37,9 +37,11 @@ __all__ = [
     "LeaseLost",
     "LoggingEvents",
     "MemoryStore",
+    "OpenTelemetryEvents",
     "Outcome",
     "PayloadMismatch",
     "Policy",
+    "PrometheusEvents",
     "Record",
     "Send",
     "SendRefused",
@@ -56,7 +58,15 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # RedisStore and SQLStore import their drivers; load them only when asked for.
+    # These import optional packages (drivers, metrics clients); load them only when asked for.
+    if name == "PrometheusEvents":
+        from taskonce.prometheus_events import PrometheusEvents
+
+        return PrometheusEvents
+    if name == "OpenTelemetryEvents":
+        from taskonce.otel_events import OpenTelemetryEvents
+
+        return OpenTelemetryEvents
     if name == "RedisStore":
         from taskonce.stores.redis import RedisStore
 

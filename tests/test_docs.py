@@ -5,10 +5,10 @@ CONTRIBUTING, CHANGELOG, …) points at a file inside the repository, and a ``#f
 heading of that file (GitHub's heading anchors). No file names the team's private design
 notes: everything a user needs is in docs/.
 
-Snippets: every fenced block in README.md and docs/*.md whose info string is exactly
-``python`` runs, **each as its own Python program** (a fresh interpreter, nothing shared with
-the other blocks) in a fresh temporary working directory, so relative paths such as
-``sqlite:///taskonce.db`` or ``events.jsonl`` land there and vanish. A block must succeed (exit
+Snippets: every fenced block in README.md and docs/ (every page of the site, subfolders too)
+whose info string is exactly ``python`` runs, **each as its own Python program** (a fresh
+interpreter, nothing shared with the other blocks) in a fresh temporary working directory, so
+relative paths such as ``sqlite:///taskonce.db`` or ``events.jsonl`` land there and vanish. A block must succeed (exit
 status 0) within ``SNIPPET_TIMEOUT`` seconds. Blocks that need something the test cannot
 provide (a running worker, your own app module, a cluster) use the info string
 ``python no-run``: they are only compiled. Any other info string starting with ``python`` is
@@ -32,7 +32,9 @@ from urllib.parse import unquote
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIP_DIRS = {".git", ".venv", "build", "dist", "node_modules", ".pytest_cache", ".mypy_cache"}
+SKIP_DIRS = {
+    ".git", ".venv", "build", "dist", "site", "node_modules", ".pytest_cache", ".mypy_cache",
+}  # fmt: skip
 SNIPPET_TIMEOUT = 120.0
 #: Built from parts so this file does not name them itself.
 FORBIDDEN = ("DESIGN" + ".md", "shared" + "/")
@@ -233,7 +235,7 @@ def test_link_checker_catches_what_it_must(tmp_path: Path) -> None:
 
 
 def snippet_pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def python_blocks() -> list[Block]:
