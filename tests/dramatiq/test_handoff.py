@@ -64,7 +64,7 @@ def restart_after_death(h: Harness, ready: bool = True) -> None:
     """Wait for the worker to die (it kills itself), then start a fresh one; ``ready=False``
     when the fresh one is itself meant to die soon (its readiness pings could come too late)."""
     first = h.workers[-1]
-    wait_for(lambda: not first.alive, timeout=30, what="the worker to die and its parent exit")
+    wait_for(lambda: not first.alive, timeout=60, what="the worker to die and its parent exit")
     first.kill()
     h.start_worker(ready=ready)
 
