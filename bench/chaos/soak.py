@@ -200,6 +200,18 @@ class WorkerGroup:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def ready(self) -> bool:
+        """Whether the current generation logged that it consumes (Celery: ``ready.``;
+        Dramatiq: both processes ``ready for action``)."""
+        log = self.folder / f"worker-{self.framework}-{self.index}-{self.generation}.log"
+        try:
+            text = log.read_text(errors="replace")
+        except FileNotFoundError:
+            return False
+        if self.framework == "celery":
+            return " ready." in text
+        return text.count("ready for action") >= 2
+
     def children(self) -> list[int]:
         """The pids of this worker's processes below its main one (pool processes)."""
         if not self.alive():
@@ -226,6 +238,12 @@ class WorkerGroup:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=15)
         self.kill()  # whatever is left of the group, even when the main process exited
+
+
+def _ready_or_dead(worker: WorkerGroup) -> bool:
+    if not worker.alive():
+        raise RuntimeError(f"worker {worker.index} exited at start; see its log in {worker.folder}")
+    return worker.ready()
 
 
 def _descendants(root: int) -> list[int]:
@@ -387,6 +405,8 @@ class Soak:
         self.scheduled: list[tuple[float, Callable[[], None], str]] = []
         self.paused_store = False
         self.started = time.monotonic()
+        #: keys the broker or framework lost (never delivered to a guarded handler)
+        self.broker_lost: list[str] = []
 
     # -- logging ---------------------------------------------------------------------------
 
@@ -420,6 +440,8 @@ class Soak:
             self.workers.append(worker)
         self.publisher = Publisher(self.options.framework, self.config)
         self.broker_client = redis.Redis.from_url(self.broker.url, socket_timeout=5)
+        for worker in self.workers:
+            wait_until(lambda w=worker: _ready_or_dead(w), 120, f"worker {worker.index}")
 
     def teardown(self) -> None:
         for worker in self.workers:
@@ -509,10 +531,12 @@ class Soak:
                 self.log_fault("worker_restarted", worker=worker.index, exit_code=code)
 
     def _resume_everything(self) -> None:
-        for _, action, what in self.scheduled:
-            action()
-            self.log_fault("resumed", what=what)
-        self.scheduled = []
+        """Let the pauses still running end at their time (a pause cut short would not outlast
+        the lease), keep workers up meanwhile."""
+        while self.scheduled:
+            self._run_scheduled(time.monotonic())
+            self._supervise()
+            time.sleep(0.05)
         self._supervise()
 
     # -- faults ----------------------------------------------------------------------------
@@ -624,23 +648,46 @@ class Soak:
         return [(key, kind) for key in self.sent for kind in kinds]
 
     def _drain(self, timeout: float) -> tuple[bool, str | None]:
-        """Until every key has its rows and the broker has held no message for 3 s."""
+        """Until every key has its rows and the broker has held no message for 3 s.
+
+        A key that is missing while the broker holds nothing, and that no guard event
+        mentions, was never delivered to a guarded handler: the broker or the framework lost
+        it (a message popped by a worker that died before it was recorded as unacknowledged).
+        A careful producer publishes again what was not confirmed, with the same id; the soak
+        does that too and counts it (``broker_lost``). A missing key the guard *did* see is a
+        loss of taskonce's: the drain ends and the verdict says so.
+        """
         deadline = time.monotonic() + timeout
         quiet_since: float | None = None
+        empty_since: float | None = None
         while time.monotonic() < deadline:
             self._supervise()
             try:
                 counts = self._counts()
-                complete = all(counts.get(item, 0) >= 1 for item in self._expected())
-                empty = complete and self.publisher.in_flight(self.broker_client) == 0
+                missing = [item for item in self._expected() if counts.get(item, 0) < 1]
+                empty = self.publisher.in_flight(self.broker_client) == 0
             except (psycopg.Error, redis.RedisError):
-                complete = empty = False
-            if empty:
+                missing, empty = [("?", "?")], False
+            if empty and not missing:
                 quiet_since = quiet_since or time.monotonic()
                 if time.monotonic() - quiet_since >= 3:
                     return True, None
             else:
                 quiet_since = None
+            if empty and missing:
+                empty_since = empty_since or time.monotonic()
+                if time.monotonic() - empty_since >= 5:
+                    seen = {str(event.get("message_id")) for event in self._events()}
+                    for key, kind in missing:
+                        if kind != "parent" or self.sent[key] in seen:
+                            return False, f"{key}/{kind} was seen by the guard and never ran"
+                    for key, _ in missing:
+                        self.broker_lost.append(key)
+                        self.log_fault("republished_lost", key=key, message_id=self.sent[key])
+                        self._publish(key, self.sent[key])
+                    empty_since = None
+            else:
+                empty_since = None
             time.sleep(0.5)
         return False, f"not drained after {timeout}s"
 
@@ -672,23 +719,10 @@ class Soak:
             item = message_keys.get(str(event.get("message_id")))
             if item is not None:
                 per_key[item][event["event"]] += 1
-        lost = [f"{key}/{kind}" for key, kind in self._expected() if counts.get((key, kind), 0) == 0]
-        doubled: dict[str, dict[str, Any]] = {}
-        for (key, kind), n in sorted(counts.items()):
-            if n <= 1:
-                continue
-            seen = sorted(name for name in per_key[(key, kind)] if name in EXPLAINING_EVENTS)
-            hit = sorted(
-                f"{self.victims[pid]}:{pid}" for pid in run_pids[(key, kind)] if pid in self.victims
-            )
-            doubled[f"{key}/{kind}"] = {
-                "rows": n,
-                "events": dict(per_key[(key, kind)]),
-                "explained_by": seen + hit,
-            }
-        unexplained = [item for item, info in doubled.items() if not info["explained_by"]]
         transactional = self.config.transactional
-        held = drained and not lost and (not doubled if transactional else not unexplained)
+        verdict = judge(self._expected(), counts, per_key, run_pids, self.victims, transactional)
+        held = drained and verdict.held
+        lost, doubled, unexplained = verdict.lost, verdict.doubled, verdict.unexplained
         event_counts = collections.Counter(event["event"] for event in events)
         report = {
             "variant": self.options.variant,
@@ -714,6 +748,8 @@ class Soak:
             "explained": len(doubled) - len(unexplained),
             "unexplained_keys": unexplained[:100],
             "doubled_keys": dict(list(doubled.items())[:100]),
+            "broker_lost": len(self.broker_lost),
+            "broker_lost_keys": self.broker_lost[:100],
             "dead_lettered": self._dead_lettered(),
             "drained": drained,
             "drain_error": drain_error,
@@ -722,6 +758,7 @@ class Soak:
             "events": dict(sorted(event_counts.items())),
             "folder": str(self.folder),
         }
+        (self.folder / "sent.json").write_text(json.dumps(self.sent) + "\n")
         (self.folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         return report
 
@@ -732,12 +769,58 @@ class Soak:
             return -1
 
 
+@dataclasses.dataclass
+class Verdict:
+    """The ledger's answer: keys without their row, keys with more than one, and which of
+    those no event or fault explains."""
+
+    lost: list[str]
+    doubled: dict[str, dict[str, Any]]
+    unexplained: list[str]
+    held: bool
+
+
+def judge(
+    expected: list[tuple[str, str]],
+    counts: dict[tuple[str, str], int],
+    events: dict[tuple[str, str], collections.Counter[str]],
+    run_pids: dict[tuple[str, str], set[int]],
+    victims: dict[int, str],
+    transactional: bool,
+) -> Verdict:
+    """Check the ledger key by key: ``counts`` of rows per (key, kind), the guard's ``events``
+    per (key, kind), the pids that ran each, and the pids a fault hit (``victims``).
+
+    Transactional: exactly one row per expected (key, kind). Otherwise: at least one, and a
+    second only where the key's events show the guard met a fault (a takeover, a refused
+    write, a release after a failure, a store error, a concurrent duplicate) or a fault hit
+    a process that ran it.
+    """
+    lost = [f"{key}/{kind}" for key, kind in expected if counts.get((key, kind), 0) == 0]
+    doubled: dict[str, dict[str, Any]] = {}
+    for (key, kind), n in sorted(counts.items()):
+        if n <= 1:
+            continue
+        seen = sorted(name for name in events.get((key, kind), {}) if name in EXPLAINING_EVENTS)
+        hit = sorted(
+            f"{victims[pid]}:{pid}" for pid in run_pids.get((key, kind), set()) if pid in victims
+        )
+        doubled[f"{key}/{kind}"] = {
+            "rows": n,
+            "events": dict(events.get((key, kind), {})),
+            "explained_by": seen + hit,
+        }
+    unexplained = [item for item, info in doubled.items() if not info["explained_by"]]
+    held = not lost and (not doubled if transactional else not unexplained)
+    return Verdict(lost, doubled, unexplained, held)
+
+
 def summary(report: dict[str, Any]) -> str:
     faults = ", ".join(f"{kind}={n}" for kind, n in report["faults"].items()) or "none"
     return (
         f"{report['variant']}: {'HELD' if report['held'] else 'BROKEN'} · "
         f"{report['messages']} messages · {report['faults_total']} faults ({faults}) · "
-        f"lost {report['lost']} · doubled {report['doubled']} · explained {report['explained']}"
+        f"lost {report['lost']} · broker lost (published again) {report['broker_lost']} · doubled {report['doubled']} · explained {report['explained']}"
         f" · drain {report['drain_s']} s · {report['folder']}"
     )
 
@@ -779,7 +862,12 @@ def parse(argv: list[str] | None = None) -> Options:
     )
 
 
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # so the servers and workers are stopped
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     report = Soak(parse(argv)).run()
     print(summary(report), flush=True)
     return 0 if report["held"] else 1
