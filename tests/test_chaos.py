@@ -39,10 +39,24 @@ def test_celery_and_dramatiq_keep_exactly_one_ledger_row_per_key_under_faults(
     soaks = {
         framework: subprocess.Popen(
             [
-                sys.executable, "-m", "bench.chaos.soak", "--framework", framework,
-                "--store", "postgresql", "--messages", "120", "--seconds", "20",
-                "--drain-timeout", "240", "--seed", str(seed), "--out", str(tmp_path),
-            ],  # fmt: skip
+                sys.executable,
+                "-m",
+                "bench.chaos.soak",
+                "--framework",
+                framework,
+                "--store",
+                "postgresql",
+                "--messages",
+                "120",
+                "--seconds",
+                "20",
+                "--drain-timeout",
+                "240",
+                "--seed",
+                str(seed),
+                "--out",
+                str(tmp_path),
+            ],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -28,9 +28,8 @@ broker = RedisBroker(
     maintenance_chance=100_000,
 )
 broker.add_middleware(CurrentMessage())
-store_options = (
-    {"prefix": CONFIG.namespace} if CONFIG.store.startswith("redis") else {"table": CONFIG.namespace}
-)
+redis_store = CONFIG.store.startswith("redis")
+store_options = {"prefix": CONFIG.namespace} if redis_store else {"table": CONFIG.namespace}
 GUARD = taskonce.Guard(
     taskonce.open_store(CONFIG.store, **store_options),
     default=CONFIG.policy(),

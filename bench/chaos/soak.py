@@ -376,7 +376,7 @@ class Soak:
         self.folder = options.out / f"{stamp}-{options.variant}-{self.run_id}"
         self.folder.mkdir(parents=True, exist_ok=True)
         self.app_name = f"taskonce-chaos-{self.run_id}"
-        self.faults_file = open(self.folder / "faults.jsonl", "a")  # noqa: SIM115
+        self.faults_file = open(self.folder / "faults.jsonl", "a")
         self.broker = RedisServer(self.folder, "broker")
         self.store_server = RedisServer(self.folder, "store") if options.store == "redis" else None
         namespace = f"chaos_{self.run_id}"
@@ -592,7 +592,9 @@ class Soak:
             worker.start()
             self.log_fault(kind, worker=worker.index, generation=worker.generation)
         elif kind == "republish":
-            keys = self.random.sample(sorted(self.sent), min(len(self.sent), self.random.randint(1, 5)))
+            keys = self.random.sample(
+                sorted(self.sent), min(len(self.sent), self.random.randint(1, 5))
+            )
             done = [key for key in keys if self._publish(key, self.sent[key])]
             self.log_fault(kind, keys=done)
         elif kind == "store_stop":
@@ -820,7 +822,8 @@ def summary(report: dict[str, Any]) -> str:
     return (
         f"{report['variant']}: {'HELD' if report['held'] else 'BROKEN'} · "
         f"{report['messages']} messages · {report['faults_total']} faults ({faults}) · "
-        f"lost {report['lost']} · broker lost (published again) {report['broker_lost']} · doubled {report['doubled']} · explained {report['explained']}"
+        f"lost {report['lost']} · broker lost (published again) {report['broker_lost']} · "
+        f"doubled {report['doubled']} · explained {report['explained']}"
         f" · drain {report['drain_s']} s · {report['folder']}"
     )
 
