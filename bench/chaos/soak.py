@@ -74,6 +74,8 @@ FAULTS = (
     "broker_restart",
 )
 REDIS_STORE_ONLY = ("store_stop", "store_kill")
+#: A key whose last event is one of these was recorded as handled: its row must be there.
+HANDLED_EVENTS = frozenset({"completed", "marked", "duplicate_skipped", "concurrent_duplicate"})
 #: Events that show the guard saw a fault on a key: a second run of it is explained by them.
 EXPLAINING_EVENTS = frozenset(
     {"lease_taken_over", "lease_lost", "released", "store_error", "concurrent_duplicate"}
@@ -652,11 +654,14 @@ class Soak:
     def _drain(self, timeout: float) -> tuple[bool, str | None]:
         """Until every key has its rows and the broker has held no message for 3 s.
 
-        A key that is missing while the broker holds nothing, and that no guard event
-        mentions, was never delivered to a guarded handler: the broker or the framework lost
-        it (a message popped by a worker that died before it was recorded as unacknowledged).
-        A careful producer publishes again what was not confirmed, with the same id; the soak
-        does that too and counts it (``broker_lost``). A missing key the guard *did* see is a
+        A key that is missing while the broker holds nothing, and that the guard never
+        recorded as handled (no event, or last a claim, a release for a retry, a deferral, a
+        store error), was lost by the broker or the framework after the guard handed it back:
+        e.g. kombu restores a message by deleting it from its unacknowledged hash and pushing
+        it back to the queue in two steps, and a broker stopping in between loses it. A
+        careful producer publishes again what was not confirmed, with the same id; the soak
+        does that too and counts it (``broker_lost``, with the key's last event in the faults
+        log). A missing key whose last event says handled (completed, marked, skipped) is a
         loss of taskonce's: the drain ends and the verdict says so.
         """
         deadline = time.monotonic() + timeout
@@ -679,13 +684,22 @@ class Soak:
             if empty and missing:
                 empty_since = empty_since or time.monotonic()
                 if time.monotonic() - empty_since >= 5:
-                    seen = {str(event.get("message_id")) for event in self._events()}
+                    last: dict[str, str] = {}
+                    for event in self._events():
+                        last[str(event.get("message_id"))] = str(event["event"])
                     for key, kind in missing:
-                        if kind != "parent" or self.sent[key] in seen:
-                            return False, f"{key}/{kind} was seen by the guard and never ran"
+                        if kind != "parent":
+                            return False, f"{key}/{kind} never ran"
+                        if last.get(self.sent[key]) in HANDLED_EVENTS:
+                            return False, f"{key} was recorded as handled but has no ledger row"
                     for key, _ in missing:
                         self.broker_lost.append(key)
-                        self.log_fault("republished_lost", key=key, message_id=self.sent[key])
+                        self.log_fault(
+                            "republished_lost",
+                            key=key,
+                            message_id=self.sent[key],
+                            last_event=last.get(self.sent[key]),
+                        )
                         self._publish(key, self.sent[key])
                     empty_since = None
             else:
