@@ -28,11 +28,14 @@ app.conf.update(
     worker_lost_wait=1.0,
     broker_connection_retry_on_startup=True,
     broker_connection_max_retries=None,
-    # a killed worker's messages come back after 20 s (its unacknowledged ones), swept every 1 s
+    # a killed worker's messages come back after 20 s (its unacknowledged ones), swept every
+    # 1 s; a worker killed while it held the sweep's mutex blocks the others' sweeps only 10 s
+    # (kombu's default: 300 s)
     broker_transport_options={
         "visibility_timeout": 20,
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        "unacked_mutex_expire": 10,
     },
     task_ignore_result=True,
     taskonce_store_retry_delay=0.5,
