@@ -75,6 +75,9 @@ FAULTS = (
 )
 REDIS_STORE_ONLY = ("store_stop", "store_kill")
 #: A key whose last event is one of these was recorded as handled: its row must be there.
+#: Seconds without progress (ledger rows, broker messages, guard events) while the broker
+#: still holds messages, after which the drain restarts the workers.
+STALL = 45.0
 HANDLED_EVENTS = frozenset({"completed", "marked", "duplicate_skipped", "concurrent_duplicate"})
 #: Events that show the guard saw a fault on a key: a second run of it is explained by them.
 EXPLAINING_EVENTS = frozenset(
@@ -409,6 +412,8 @@ class Soak:
         self.started = time.monotonic()
         #: keys the broker or framework lost (never delivered to a guarded handler)
         self.broker_lost: list[str] = []
+        #: times the drain restarted the workers to free messages stuck with a live consumer
+        self.drain_restarts = 0
 
     # -- logging ---------------------------------------------------------------------------
 
@@ -656,25 +661,34 @@ class Soak:
 
         A key that is missing while the broker holds nothing, and that the guard never
         recorded as handled (no event, or last a claim, a release for a retry, a deferral, a
-        store error), was lost by the broker or the framework after the guard handed it back:
-        e.g. kombu restores a message by deleting it from its unacknowledged hash and pushing
-        it back to the queue in two steps, and a broker stopping in between loses it. A
-        careful producer publishes again what was not confirmed, with the same id; the soak
+        store error), was lost by the broker or the framework: a message taken off the queue
+        by a consumer that died before recording it, a reply a restarting broker never sent.
+        A careful producer publishes again what was not confirmed, with the same id; the soak
         does that too and counts it (``broker_lost``, with the key's last event in the faults
         log). A missing key whose last event says handled (completed, marked, skipped) is a
         loss of taskonce's: the drain ends and the verdict says so.
+
+        When the broker holds messages and nothing moves for :data:`STALL` seconds, they sit
+        with a live consumer that never received them: the workers are restarted
+        (``drain_restart`` in the faults log), after which the broker hands them out again.
         """
         deadline = time.monotonic() + timeout
         quiet_since: float | None = None
         empty_since: float | None = None
+        progress_at, seen_state = time.monotonic(), None
         while time.monotonic() < deadline:
             self._supervise()
             try:
                 counts = self._counts()
                 missing = [item for item in self._expected() if counts.get(item, 0) < 1]
-                empty = self.publisher.in_flight(self.broker_client) == 0
+                in_flight = self.publisher.in_flight(self.broker_client)
             except (psycopg.Error, redis.RedisError):
-                missing, empty = [("?", "?")], False
+                time.sleep(0.5)
+                continue
+            state = (sum(counts.values()), in_flight, self._events_size())
+            if state != seen_state:
+                progress_at, seen_state = time.monotonic(), state
+            empty = in_flight == 0
             if empty and not missing:
                 quiet_since = quiet_since or time.monotonic()
                 if time.monotonic() - quiet_since >= 3:
@@ -684,28 +698,51 @@ class Soak:
             if empty and missing:
                 empty_since = empty_since or time.monotonic()
                 if time.monotonic() - empty_since >= 5:
-                    last: dict[str, str] = {}
-                    for event in self._events():
-                        last[str(event.get("message_id"))] = str(event["event"])
-                    for key, kind in missing:
-                        if kind != "parent":
-                            return False, f"{key}/{kind} never ran"
-                        if last.get(self.sent[key]) in HANDLED_EVENTS:
-                            return False, f"{key} was recorded as handled but has no ledger row"
-                    for key, _ in missing:
-                        self.broker_lost.append(key)
-                        self.log_fault(
-                            "republished_lost",
-                            key=key,
-                            message_id=self.sent[key],
-                            last_event=last.get(self.sent[key]),
-                        )
-                        self._publish(key, self.sent[key])
+                    failure = self._republish_lost(missing)
+                    if failure is not None:
+                        return False, failure
                     empty_since = None
             else:
                 empty_since = None
+            if not empty and time.monotonic() - progress_at >= STALL:
+                # Messages the broker counts as delivered to a consumer that never got them (a
+                # fetch whose reply a broker restart swallowed) stay with that live consumer
+                # until it stops: restart the workers, as an operator would, and the broker
+                # gives them to the new ones.
+                self.drain_restarts += 1
+                self.log_fault("drain_restart", in_flight=in_flight, missing=len(missing))
+                for worker in self.workers:
+                    worker.kill()
+                    worker.start()
+                progress_at = time.monotonic()
             time.sleep(0.5)
         return False, f"not drained after {timeout}s"
+
+    def _republish_lost(self, missing: list[tuple[str, str]]) -> str | None:
+        last: dict[str, str] = {}
+        for event in self._events():
+            last[str(event.get("message_id"))] = str(event["event"])
+        for key, kind in missing:
+            if kind != "parent":
+                return f"{key}/{kind} never ran"
+            if last.get(self.sent[key]) in HANDLED_EVENTS:
+                return f"{key} was recorded as handled but has no ledger row"
+        for key, _ in missing:
+            self.broker_lost.append(key)
+            self.log_fault(
+                "republished_lost",
+                key=key,
+                message_id=self.sent[key],
+                last_event=last.get(self.sent[key]),
+            )
+            self._publish(key, self.sent[key])
+        return None
+
+    def _events_size(self) -> int:
+        try:
+            return os.stat(self.config.events).st_size
+        except FileNotFoundError:
+            return 0
 
     def _events(self) -> list[dict[str, Any]]:
         path = Path(self.config.events)
@@ -765,6 +802,7 @@ class Soak:
             "unexplained_keys": unexplained[:100],
             "doubled_keys": dict(list(doubled.items())[:100]),
             "broker_lost": len(self.broker_lost),
+            "drain_restarts": self.drain_restarts,
             "broker_lost_keys": self.broker_lost[:100],
             "dead_lettered": self._dead_lettered(),
             "drained": drained,
