@@ -190,7 +190,7 @@ class Bench:
         wait_until(lambda: self.runs(label), 60, "the first run")
         self.settle(3.0)
         runs = len(self.runs(label))
-        return f"{'yes' if runs >= 2 else 'no'} ({runs} runs)"
+        return f"{'yes' if runs >= 2 else 'no'} ({runs} run{'' if runs == 1 else 's'})"
 
     def send_then_crash(self, peer: str) -> str:
         label = f"{peer}-send-{uuid.uuid4().hex[:6]}"
