@@ -26,8 +26,8 @@ def table(reports: list[dict[str, object]], command: str) -> str:
         "",
         "Each row is one run of `bench/chaos/soak.py`: its messages, how long faults were "
         "injected, the faults by kind, and the ledger's verdict after the drain. *Broker lost* "
-        "counts messages the broker or the framework lost before any guarded handler saw them "
-        "(published again by the soak, with the same id, as a producer would).",
+        "counts messages the broker or the framework lost that the guard had never recorded as "
+        "handled (published again by the soak, with the same id, as a producer would).",
         "",
         "| variant | messages | faults for | faults | lost | broker lost | doubled | explained "
         "| drain | promise held |",
