@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck docs bench install clean
+.PHONY: demo test lint typecheck docs bench install clean chaos chaos-all compare
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,25 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/store_ops.py
+
+# The chaos soak (bench/chaos): the long run of each framework, transactional PostgreSQL store;
+# chaos-all runs every variant. CHAOS_ARGS adds options (e.g. --seconds 600 --messages 10000).
+chaos: $(STAMP)
+	$(PY) -m bench.chaos.soak --framework celery $(CHAOS_ARGS)
+	$(PY) -m bench.chaos.soak --framework dramatiq $(CHAOS_ARGS)
+
+chaos-all: $(STAMP)
+	status=0; for fw in celery dramatiq; do \
+	  for v in "--store postgresql" "--store postgresql --mode lazy" "--store redis" \
+	           "--store redis --mode lazy" "--store postgresql --handoff"; do \
+	    $(PY) -m bench.chaos.soak --framework $$fw $$v $(CHAOS_ARGS) || status=1; \
+	  done; \
+	done; exit $$status
+
+# Side by side with celery-once, celery-singleton and Powertools' idempotency (bench/peers).
+compare: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[compare]'
+	$(PY) -m bench.peers.compare $(COMPARE_ARGS)
 
 clean:
 	rm -rf $(VENV) build site .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""The chaos soak: real Celery and Dramatiq workers, a ledger, and faults injected meanwhile."""

@@ -1,0 +1,1 @@
+"""taskonce side by side with celery-once, celery-singleton and Powertools' idempotency."""

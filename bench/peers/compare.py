@@ -1,0 +1,348 @@
+"""taskonce side by side with celery-once, celery-singleton and Powertools' idempotency.
+
+One real Celery worker (prefork, 2 processes) runs the same order task under each guard
+(:mod:`bench.peers.app`); the comparison's own redis-servers are the broker and the store every
+guard keeps its records in. Behaviour: each scenario is played once per guard and the body's
+runs are counted in PostgreSQL. Speed: no-op tasks per second of each guard, plain Celery as
+the baseline, rounds interleaved in one run; and the store commands per message (the store's
+``INFO commandstats`` delta over each round).
+
+Run: ``make compare`` (installs the ``compare`` extra), or
+``.venv/bin/python -m bench.peers.compare [--rounds 3 --messages 300] [--write-docs]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import redis
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.chaos.soak import PG_URL, RedisServer, wait_until  # noqa: E402
+from bench.docs_section import command_lines, write_section  # noqa: E402
+
+PEERS = ("plain", "taskonce", "celery_once", "celery_singleton", "powertools")
+NAMES = {
+    "plain": "plain Celery (no guard)",
+    "taskonce": "taskonce (eager, Redis store)",
+    "celery_once": "celery-once",
+    "celery_singleton": "celery-singleton",
+    "powertools": "Powertools idempotency (Redis)",
+}
+DOC = ROOT / "docs" / "reliability.md"
+BEHAVIOUR = "## Side by side: behaviour"
+SPEED = "## Side by side: speed"
+#: Seconds a scenario waits for a redelivery before it says "not run again".
+REDELIVERY_WINDOW = 60.0
+
+
+class Bench:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.prefix = f"peers{uuid.uuid4().hex[:8]}"
+        self.broker = RedisServer(folder, "broker")
+        self.locks = RedisServer(folder, "locks")
+        self.table = f"{self.prefix}_runs"
+        self.worker: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.broker.start()
+        self.locks.start()
+        os.environ.update(
+            PEERS_BROKER=self.broker.url,
+            PEERS_LOCKS=self.locks.url,
+            PEERS_PG=PG_URL,
+            PEERS_PREFIX=self.prefix,
+        )
+        self.pg = psycopg.connect(PG_URL, autocommit=True)
+        self.pg.execute(
+            f"CREATE TABLE {self.table} (id serial PRIMARY KEY, label text NOT NULL, "
+            "pid int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())"
+        )
+        ready = self.folder / "ready"
+        env = {**os.environ, "PEERS_READY": str(ready), "PYTHONPATH": str(ROOT)}
+        with open(self.folder / "worker.log", "ab") as log:
+            self.worker = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "bench.peers.app",
+                    "worker",
+                    "-P",
+                    "prefork",
+                    "-c",
+                    "2",
+                    "-Q",
+                    f"{self.prefix}.q",
+                    "--without-gossip",
+                    "--without-mingle",
+                    "--without-heartbeat",
+                    "-l",
+                    "WARNING",
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        wait_until(ready.exists, 120, "the worker to be ready")
+        import bench.peers.app as app  # configured by the environment set above
+
+        self.app = app
+        self.tasks = {
+            "plain": app.plain_order,
+            "taskonce": app.taskonce_order,
+            "celery_once": app.once_order,
+            "celery_singleton": app.singleton_order,
+            "powertools": app.powertools_order,
+        }
+        self.client = redis.Redis.from_url(self.broker.url)
+        self.store = redis.Redis.from_url(self.locks.url)
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            with_suppress(lambda: os.killpg(self.worker.pid, signal.SIGKILL))  # type: ignore[union-attr]
+            self.worker.wait(timeout=30)
+        self.broker.kill()
+        self.locks.kill()
+        with_suppress(lambda: self.pg.execute(f"DROP TABLE IF EXISTS {self.table}"))
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def runs(self, label: str) -> list[tuple[int, float]]:
+        rows = self.pg.execute(
+            f"SELECT pid, extract(epoch from at) FROM {self.table} WHERE label = %s ORDER BY id",
+            (label,),
+        ).fetchall()
+        return [(int(pid), float(at)) for pid, at in rows]
+
+    def idle(self) -> bool:
+        """The broker holds no message of ours: none queued, none delivered and unacknowledged."""
+        queued = self.client.llen(f"{self.prefix}:{self.prefix}.q")
+        return queued == 0 and self.client.hlen(f"{self.prefix}:unacked") == 0
+
+    def settle(self, extra: float = 2.0) -> None:
+        wait_until(self.idle, 120, "the broker to be idle")
+        time.sleep(extra)  # a task still finishing its bookkeeping
+        wait_until(self.idle, 120, "the broker to be idle")
+
+    def send(self, peer: str, label: str, mode: str = "", task_id: str | None = None) -> Any:
+        return self.tasks[peer].apply_async((self.table, label, mode), task_id=task_id)
+
+    # -- behaviour -------------------------------------------------------------------------
+
+    def same_id_twice(self, peer: str) -> str:
+        label = f"{peer}-dup-{uuid.uuid4().hex[:6]}"
+        task_id = str(uuid.uuid4())
+        self.send(peer, label, task_id=task_id)
+        wait_until(lambda: self.runs(label), 60, "the first run")
+        self.settle()
+        # the broker delivers the same message again (a redelivery, or the producer's retry)
+        self.app.app.send_task(
+            f"{peer}.order", args=(self.table, label, ""), task_id=task_id, queue=f"{self.prefix}.q"
+        )
+        self.settle()
+        return f"{len(self.runs(label))}"
+
+    def second_order(self, peer: str) -> str:
+        label = f"{peer}-order-{uuid.uuid4().hex[:6]}"
+        self.send(peer, label, "sleep")
+        wait_until(lambda: self.runs(label), 60, "the first run")
+        self.send(peer, label, "sleep")  # a second, legitimate order with the same arguments
+        self.settle()
+        return f"{len(self.runs(label))} of 2"
+
+    def killed_mid_body(self, peer: str) -> str:
+        label = f"{peer}-kill-{uuid.uuid4().hex[:6]}"
+        self.send(peer, label, "hang_first")
+        first = wait_until(lambda: self.runs(label), 60, "the first run")
+        killed = time.time()
+        os.kill(first[0][0], signal.SIGKILL)
+        try:
+            again = wait_until(
+                lambda: len(self.runs(label)) >= 2 and self.runs(label), REDELIVERY_WINDOW, "rerun"
+            )
+        except TimeoutError:
+            self.settle()
+            return f"no (not within {REDELIVERY_WINDOW:.0f} s)"
+        self.settle()
+        return f"yes, after {again[1][1] - killed:.1f} s"
+
+    def fails_once(self, peer: str) -> str:
+        label = f"{peer}-retry-{uuid.uuid4().hex[:6]}"
+        self.send(peer, label, "fail_first")
+        wait_until(lambda: self.runs(label), 60, "the first run")
+        self.settle(3.0)
+        runs = len(self.runs(label))
+        return f"{'yes' if runs >= 2 else 'no'} ({runs} run{'' if runs == 1 else 's'})"
+
+    def send_then_crash(self, peer: str) -> str:
+        label = f"{peer}-send-{uuid.uuid4().hex[:6]}"
+        self.send(peer, label, "send_then_die")
+        try:
+            wait_until(lambda: len(self.runs(label)) >= 2, REDELIVERY_WINDOW, "the rerun")
+        except TimeoutError:
+            pass
+        self.settle(3.0)
+        return f"{len(self.runs(f'{label}-child'))} (body ran {len(self.runs(label))}×)"
+
+    # -- speed -----------------------------------------------------------------------------
+
+    def throughput(self, peer: str, messages: int) -> tuple[float, float, float]:
+        """(tasks per second, store commands per message counting those run inside scripts,
+        scripts per message) of one round."""
+        counter = f"r{uuid.uuid4().hex[:8]}"
+        commands, scripts = _commands(self.store)
+        started = time.perf_counter()
+        for i in range(messages):
+            self.tasks[peer].apply_async((counter, f"{counter}-{i}", "noop"))
+        wait_until(
+            lambda: int(self.client.get(f"{self.prefix}:done:{counter}") or 0) >= messages,
+            300,
+            f"{peer}'s round",
+        )
+        elapsed = time.perf_counter() - started
+        self.settle(0.5)
+        after, scripts_after = _commands(self.store)
+        return (
+            messages / elapsed,
+            (after - commands) / messages,
+            (scripts_after - scripts) / messages,
+        )
+
+
+def _commands(client: redis.Redis) -> tuple[int, int]:
+    """Commands the store ran (those inside scripts included; our INFO readings left out) and
+    scripts it ran (EVAL, EVALSHA, FCALL)."""
+    stats = client.info("commandstats")
+    total = scripts = 0
+    for name, value in stats.items():
+        if name == "cmdstat_info":
+            continue
+        total += int(value["calls"])
+        if name in ("cmdstat_eval", "cmdstat_evalsha", "cmdstat_fcall"):
+            scripts += int(value["calls"])
+    return total, scripts
+
+
+def with_suppress(fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except Exception:  # clean-up of a bench: best effort
+        pass
+
+
+SCENARIOS = (
+    ("same message delivered twice (same task id)", "same_id_twice", "body runs"),
+    ("second order, same arguments, new id, while the first runs", "second_order", "orders run"),
+    ("worker SIGKILLed mid-body (acks_late): runs again?", "killed_mid_body", ""),
+    ("body fails once, then succeeds on retry: retried?", "fails_once", ""),
+    ("body sends a child, then the worker dies: child runs", "send_then_crash", ""),
+)
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # so the worker and the servers are stopped
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--messages", type=int, default=300)
+    parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--skip-behaviour", action="store_true")
+    parser.add_argument("--write-docs", action="store_true", help=f"write {DOC.name}'s tables")
+    args = parser.parse_args(argv)
+    peers = [p for p in args.peers.split(",") if p]
+    folder = ROOT / "build" / "peers" / time.strftime("%Y%m%dT%H%M%S")
+    folder.mkdir(parents=True, exist_ok=True)
+    bench = Bench(folder)
+    command = ".venv/bin/python -m bench.peers.compare " + " ".join(argv or sys.argv[1:])
+    try:
+        bench.start()
+        behaviour: dict[str, dict[str, str]] = {}
+        if not args.skip_behaviour:
+            for peer in peers:
+                behaviour[peer] = {}
+                for title, method, _ in SCENARIOS:
+                    behaviour[peer][title] = getattr(bench, method)(peer)
+                    print(f"{NAMES[peer]}: {title}: {behaviour[peer][title]}", flush=True)
+        rates: dict[str, list[float]] = {p: [] for p in peers}
+        trips: dict[str, list[float]] = {p: [] for p in peers}
+        commands: dict[str, list[float]] = {p: [] for p in peers}
+        for peer in peers:  # warm-up round, not counted
+            bench.throughput(peer, min(50, args.messages))
+        for round_no in range(args.rounds):
+            order = peers if round_no % 2 == 0 else list(reversed(peers))
+            for peer in order:
+                rate, per_command, per_script = bench.throughput(peer, args.messages)
+                rates[peer].append(rate)
+                commands[peer].append(per_command)
+                trips[peer].append(per_script)
+                print(
+                    f"round {round_no + 1} {NAMES[peer]}: {rate:.0f}/s, {per_command:.1f} "
+                    f"commands and {per_script:.1f} scripts per message",
+                    flush=True,
+                )
+    finally:
+        bench.stop()
+    lines_b = [BEHAVIOUR, ""]
+    if behaviour:
+        lines_b += [
+            "| scenario | " + " | ".join(NAMES[p] for p in peers) + " |",
+            "| --- | " + " | ".join("---" for _ in peers) + " |",
+        ]
+        for title, _, _ in SCENARIOS:
+            lines_b.append(f"| {title} | " + " | ".join(behaviour[p][title] for p in peers) + " |")
+        lines_b += ["", *command_lines(command)]
+    base = statistics.median(rates["plain"]) if "plain" in rates else None
+    lines_s = [
+        SPEED,
+        "",
+        f"No-op tasks through one worker (prefork, 2 processes), {args.messages} per round, "
+        f"{args.rounds} rounds interleaved; median rate and its ratio to plain Celery in the "
+        "same run. Store traffic per message, producer and worker together, from the store's "
+        "`INFO commandstats`: commands as Redis counts them (those a Lua script runs "
+        "included), and of those the scripts (`EVAL`/`EVALSHA`, one round trip each, "
+        "atomic). The worker's liveness records (one write per process every 4 s) fall into "
+        "every row, plain Celery's too.",
+        "",
+        "| guard | tasks/s (median) | vs plain Celery | store commands per message "
+        "| of which scripts |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for peer in peers:
+        rate = statistics.median(rates[peer])
+        ratio = f"{rate / base:.2f}×" if base else "—"
+        lines_s.append(
+            f"| {NAMES[peer]} | {rate:.0f} | {ratio} | {statistics.median(commands[peer]):.1f} "
+            f"| {statistics.median(trips[peer]):.1f} |"
+        )
+    lines_s += ["", *command_lines(command)]
+    print("\n".join([*lines_b, "", *lines_s]))
+    if args.write_docs:
+        if behaviour:
+            write_section("\n".join(lines_b), DOC)
+        write_section("\n".join(lines_s), DOC)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""The chaos soak, short: both frameworks at once, transactional PostgreSQL store, eager mode.
+
+Two soaks (``bench/chaos/soak.py``) run side by side, each with its own broker redis-server, two
+real workers of two processes, 120 messages over 20 s and a fault every 1–3 s (every kind that
+applies to a PostgreSQL store: pool processes SIGKILLed and SIGSTOPped past the lease, whole
+workers SIGKILLed, messages published again, this run's PostgreSQL backends terminated, the
+broker restarted). Each must end with exactly one ledger row per key. The long runs are
+``make chaos``. The seeds are fixed so that every run injects the same sequence of faults.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.chaos.soak import judge
+from tests.helpers import IN_CI, require_service
+
+ROOT = Path(__file__).resolve().parents[1]
+SEEDS = {"celery": 1101, "dramatiq": 2202}
+
+
+@pytest.mark.timeout(600)  # the soaks' own deadlines (start, drain) come first
+def test_celery_and_dramatiq_keep_exactly_one_ledger_row_per_key_under_faults(
+    tmp_path: Path,
+) -> None:
+    require_service("postgresql")
+    require_service("redis")
+    if shutil.which("redis-server") is None:
+        message = "redis-server is not installed (apt-get install redis-server)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    soaks = {
+        framework: subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.chaos.soak",
+                "--framework",
+                framework,
+                "--store",
+                "postgresql",
+                "--messages",
+                "120",
+                "--seconds",
+                "20",
+                "--drain-timeout",
+                "240",
+                "--seed",
+                str(seed),
+                "--out",
+                str(tmp_path),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for framework, seed in SEEDS.items()
+    }
+    try:
+        outputs = {name: soak.communicate(timeout=480)[0].decode() for name, soak in soaks.items()}
+    finally:
+        for soak in soaks.values():  # a soak stopped early stops its own servers and workers
+            if soak.poll() is None:
+                soak.terminate()
+                soak.wait(timeout=120)
+    for framework, soak in soaks.items():
+        reports = list(tmp_path.glob(f"*-{framework}-pg-tx-eager-*/report.json"))
+        assert len(reports) == 1, outputs[framework]
+        report = json.loads(reports[0].read_text())
+        assert soak.returncode == 0, (outputs[framework], report)
+        assert report["held"] and report["drained"], report
+        assert report["messages"] == 120
+        assert report["lost"] == 0 and report["doubled"] == 0, report
+        assert report["faults_total"] >= 3, report  # ~10 are tried; a kill finding no body skips
+        assert report["runs"] >= 120, report
+        folder = reports[0].parent
+        assert (folder / "faults.jsonl").stat().st_size > 0
+        assert list(folder.glob("worker-*.log"))
+
+
+def _events(**counts: int) -> collections.Counter[str]:
+    return collections.Counter(counts)
+
+
+def test_the_ledger_check_finds_lost_and_doubled_keys() -> None:
+    expected = [("k1", "parent"), ("k2", "parent"), ("k3", "parent")]
+    counts = {("k1", "parent"): 1, ("k3", "parent"): 2}
+    events = {("k3", "parent"): _events(claimed=2, lease_taken_over=1, completed=1)}
+    strict = judge(expected, counts, events, {}, {}, transactional=True)
+    assert strict.lost == ["k2/parent"]
+    assert list(strict.doubled) == ["k3/parent"]
+    assert not strict.held
+
+    counts[("k2", "parent")] = 1
+    assert not judge(expected, counts, events, {}, {}, transactional=True).held
+    relaxed = judge(expected, counts, events, {}, {}, transactional=False)
+    assert relaxed.held
+    assert relaxed.doubled["k3/parent"]["explained_by"] == ["lease_taken_over"]
+
+
+def test_a_second_row_without_a_fault_is_unexplained() -> None:
+    expected = [("k1", "parent")]
+    counts = {("k1", "parent"): 2}
+    quiet = {("k1", "parent"): _events(claimed=1, completed=1, duplicate_skipped=1)}
+    verdict = judge(expected, counts, quiet, {("k1", "parent"): {41}}, {}, transactional=False)
+    assert verdict.unexplained == ["k1/parent"] and not verdict.held
+    hit = judge(
+        expected, counts, quiet, {("k1", "parent"): {41}}, {41: "kill_child"}, transactional=False
+    )
+    assert hit.held and hit.doubled["k1/parent"]["explained_by"] == ["kill_child:41"]
