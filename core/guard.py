@@ -270,9 +270,10 @@ class Guard:
         published = 0
         for index, row in enumerate(rows):
             try:
-                if row.verify and not self.store.take_sends(
-                    row.key, row.token, self.dispatch_lease
-                ).sends:
+                if (
+                    row.verify
+                    and not self.store.take_sends(row.key, row.token, self.dispatch_lease).sends
+                ):
                     self._outbox_event("sends_discarded", row.key, (row.text,))
                     continue  # rolled back with its savepoint
             except StoreUnavailable:

@@ -36,7 +36,9 @@ BROKER = os.environ.get("OB_BROKER", "redis://127.0.0.1:6379")
 QUEUE = os.environ.get("OB_QUEUE", "outbox-test")
 metadata = sa.MetaData()
 orders = sa.Table(
-    os.environ.get("OB_ORDERS", "ob_orders"), metadata, sa.Column("id", sa.Integer, primary_key=True)
+    os.environ.get("OB_ORDERS", "ob_orders"),
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
 )
 runs = sa.Table(
     os.environ.get("OB_RUNS", "ob_runs"),

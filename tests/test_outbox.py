@@ -294,8 +294,9 @@ def test_bad_targets_are_config_errors(world: World, tmp_path: Any) -> None:
         (world.engine, "not Engine"),
         (Session(), "bound to no engine"),
     ]:
-        with pytest.raises(taskonce.ConfigError, match=text), taskonce.send_on_commit(
-            target, guard=world.guard
+        with (
+            pytest.raises(taskonce.ConfigError, match=text),
+            taskonce.send_on_commit(target, guard=world.guard),
         ):
             pass
     with pytest.raises(taskonce.ConfigError, match="must be a taskonce.Guard"):
@@ -369,7 +370,9 @@ def test_1000_requests_from_8_threads_sent_equals_committed(tmp_path: Any) -> No
     guard.register_publisher(FRAMEWORK, broker)
     engine = sa.create_engine(_url_of(store), pool_size=8)
     orders = sa.Table(
-        f"orders_{uuid.uuid4().hex[:8]}", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True)
+        f"orders_{uuid.uuid4().hex[:8]}",
+        sa.MetaData(),
+        sa.Column("id", sa.Integer, primary_key=True),
     )
     orders.create(engine)
     committed: list[int] = []
@@ -423,7 +426,9 @@ def test_1000_requests_from_8_threads_sent_equals_committed(tmp_path: Any) -> No
 
 
 def test_outbox_rows_are_a_relay_candidate_like_any_record(world: World) -> None:
-    row = OutboxRow("outbox:x", "t" * 32, Send("i", FRAMEWORK, {"task": "t", "args": [1]}).to_json())
+    row = OutboxRow(
+        "outbox:x", "t" * 32, Send("i", FRAMEWORK, {"task": "t", "args": [1]}).to_json()
+    )
     with world.engine.begin() as connection:
         world.store.record_sends_in(connection, row.key, (row.text,), row.token, 60.0, 0.0)
     assert world.store.pending_sends(0.0) == ["outbox:x"]

@@ -14,7 +14,6 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
