@@ -618,6 +618,7 @@ def audit(
         ]
 
         handoff = _handoff_figures(classified)
+        producer = _producer_figures(classified)
 
         # samples for the readable report
         leaks_sample = [
@@ -633,6 +634,7 @@ def audit(
             scopes, total_events, bound_values, safety_factor, what_if, now
         )
         report["handoff"] = handoff
+        report["producer"] = producer
         malformed = int(overall.get("malformed") or 0)
         if malformed:
             logger.warning("dropped %d malformed event row(s) (no event name or bad ts)", malformed)
@@ -718,22 +720,41 @@ def _handoff_figures(classified: DataFrame) -> dict[str, Any]:
     publication after it — and those still unpublished at the log's end (stranded)."""
     from pyspark.sql import functions as F
 
-    valid = (F.col("is_valid") == 1) & F.col("key").isNotNull()
+    return _dispatch_figures(classified, F.col("key").isNotNull(), "key")
+
+
+def _producer_figures(classified: DataFrame) -> dict[str, Any]:
+    """The same figures for the producer outbox (``taskonce.send_on_commit``): its events have
+    no key (no incoming message); ``message_id`` names the outbox record. The lag runs from the
+    application's commit to the publication."""
+    from pyspark.sql import functions as F
+
+    producer = F.col("key").isNull() & F.col("message_id").startswith("outbox:")
+    return _dispatch_figures(classified, producer, "message_id")
+
+
+def _dispatch_figures(classified: DataFrame, rows: Column, record: str) -> dict[str, Any]:
+    """Deferred, dispatched, stranded and discarded records among the events ``rows`` selects,
+    each record named by column ``record``, and the dispatch lag's percentiles."""
+    from pyspark.sql import functions as F
+
+    valid = (F.col("is_valid") == 1) & rows
     deferred = (
         classified.filter(valid & (F.col("event") == "sends_deferred"))
-        .groupBy("key")
+        .groupBy(F.col(record).alias("record"))
         .agg(F.min("t_ms").alias("deferred_ms"))
     )
     sent = classified.filter(
         valid & _in("event", ("sends_dispatched", "sends_redispatched"))
-    ).select(F.col("key").alias("sent_key"), F.col("t_ms").alias("sent_ms"))
+    ).select(F.col(record).alias("sent_record"), F.col("t_ms").alias("sent_ms"))
     lags = (
         deferred.join(
             sent,
-            (deferred["key"] == sent["sent_key"]) & (sent["sent_ms"] >= deferred["deferred_ms"]),
+            (deferred["record"] == sent["sent_record"])
+            & (sent["sent_ms"] >= deferred["deferred_ms"]),
             "left",
         )
-        .groupBy("key", "deferred_ms")
+        .groupBy("record", "deferred_ms")
         .agg(F.min("sent_ms").alias("sent_ms"))
         .withColumn("lag_ms", F.col("sent_ms") - F.col("deferred_ms"))
     )
