@@ -18,7 +18,7 @@ import logging
 import secrets
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from taskonce import handoff
@@ -111,7 +111,12 @@ class _OutboxCapture(Capture):
 
 
 @contextlib.contextmanager
-def send_on_commit(bind: B, *, guard: Guard | None = None) -> Iterator[B]:
+def send_on_commit(
+    bind: B,
+    *,
+    guard: Guard | None = None,
+    on_commit: Callable[[Callable[[], None]], Any] | None = None,
+) -> Iterator[B]:
     """``with taskonce.send_on_commit(session): charge.delay(order.id)`` — what the block sends
     (Celery ``delay``/``apply_async``/``send_task``, Dramatiq ``send``) is published when
     ``session``'s transaction commits, and never if it rolls back.
@@ -130,6 +135,10 @@ def send_on_commit(bind: B, *, guard: Guard | None = None) -> Iterator[B]:
     :param guard: the guard whose store, publishers and events to use; default: the one guard
         of this process that a framework registered (``setup(app, guard)`` for Celery,
         ``IdempotencyMiddleware(guard)`` for Dramatiq).
+    :param on_commit: for a ``Connection`` whose transaction someone else commits (Django's
+        ``transaction.on_commit``): the block writes the sends in that transaction and hands
+        ``on_commit`` the function that publishes them, to call after the commit (and to drop
+        on a rollback); if it is never called, the relay publishes what committed.
     :raises ConfigError: no session, a store without SQL transactions (Redis, memory), a
         session on another database than the store's, no guard, or no framework registered.
     :raises SendRefused: (from the send itself) arguments JSON cannot store; nothing is written.
@@ -163,6 +172,20 @@ def send_on_commit(bind: B, *, guard: Guard | None = None) -> Iterator[B]:
         chosen = _guard_for(guard)
         store = _sql_store(chosen)
         _check_bind(store, target)
+        if on_commit is not None:
+            if not callable(on_commit):
+                raise ConfigError(f"send_on_commit(on_commit={on_commit!r}) must be callable")
+            hooked = _Outbox(chosen, store)
+            joined = target
+
+            def write_joined(text: str) -> None:
+                hooked.write(joined, text, joined.in_nested_transaction())
+
+            with handoff.capturing(_OutboxCapture(chosen, write_joined)):
+                yield bind
+            if hooked.rows:
+                on_commit(hooked.committed)
+            return
         if target.in_transaction():
             raise ConfigError(
                 "send_on_commit(connection): the connection is already in a transaction, whose "
