@@ -103,20 +103,28 @@ def _ready(**_: Any) -> None:
 worker_ready.connect(_ready, weak=False)
 
 
-def place_order(order_id: int, fate: str) -> None:
-    """What a request does: write the order, send to both frameworks, then commit or not."""
-    if fate == "die":
-        # SIGKILLed after the commit, before anything is published.
-        guard.dispatch_committed = lambda rows: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign,assignment,return-value]
+def _die(*_: Any) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def place_order(order_id: int, fate: str) -> list[str]:
+    """What a request does: write the order, send to both frameworks, then commit or not.
+    Returns the two message ids (printed at once by the script, before it may die)."""
+    if fate == "die":  # SIGKILLed after the commit, before anything is published
+        guard.dispatch_committed = _die  # type: ignore[method-assign]
+    elif fate == "die_after_publish":  # ... after publishing, before marking them sent
+        store.dispatched = _die  # type: ignore[method-assign]
     with Session(engine) as session:
         with taskonce.send_on_commit(session):
             session.execute(orders.insert().values(id=order_id))
-            charge.delay(order_id)
-            charge_dq.send(order_id)
+            ids = [charge.delay(order_id).id, charge_dq.send(order_id).message_id]
+        if __name__ == "__main__":
+            print(" ".join(ids), flush=True)
         if fate == "rollback":
             session.rollback()
         else:
             session.commit()
+    return ids
 
 
 def flask_app() -> Any:
@@ -126,8 +134,7 @@ def flask_app() -> Any:
 
     @app.post("/orders/<int:order_id>")
     def order(order_id: int) -> tuple[str, int]:
-        place_order(order_id, request.args.get("fate", "commit"))
-        return "ok", 200
+        return " ".join(place_order(order_id, request.args.get("fate", "commit"))), 200
 
     return app
 

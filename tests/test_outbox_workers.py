@@ -5,6 +5,7 @@ Dramatiq worker through this module's own redis-server, which the tests stop and
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -119,17 +120,19 @@ class Stack:
         self.processes.append(process)
         return process
 
-    def request(self, order_id: int, fate: str = "commit") -> int:
+    def request(self, order_id: int, fate: str = "commit") -> tuple[int, list[str]]:
+        """The response's status and the two message ids the request sent."""
         url = f"http://127.0.0.1:{self.port}/orders/{order_id}?fate={fate}"
         try:
             with urllib.request.urlopen(
                 urllib.request.Request(url, method="POST"), timeout=60
             ) as response:
-                return int(response.status)
+                return int(response.status), response.read().decode().split()
         except urllib.error.HTTPError as exc:
-            return int(exc.code)
+            return int(exc.code), []
 
-    def script(self, order_id: int, fate: str) -> int:
+    def script(self, order_id: int, fate: str) -> tuple[int, list[str]]:
+        """The script's exit status and the two message ids it sent."""
         done = subprocess.run(
             [sys.executable, "-m", "tests.outbox_app", "order", str(order_id), fate],
             cwd=ROOT,
@@ -139,7 +142,16 @@ class Stack:
         )
         if done.returncode not in (0, -signal.SIGKILL):
             raise AssertionError(done.stderr.decode(errors="replace"))
-        return done.returncode
+        return done.returncode, done.stdout.decode().split()
+
+    def events(self, message_id: str) -> list[str]:
+        """The names of the guard's events for the delivery of ``message_id``."""
+        try:
+            lines = Path(self.env["OB_EVENTS"]).read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        found = [json.loads(line) for line in lines if line.strip()]
+        return [e["event"] for e in found if e.get("message_id") == message_id]
 
     def relay(self) -> Process:
         return self.start(
@@ -208,32 +220,66 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 @pytest.mark.timeout(300)
 def test_committed_and_rolled_back_requests_and_scripts(stack: Stack) -> None:
-    assert stack.request(1) == 200
-    assert stack.script(2, "commit") == 0
-    assert stack.request(3, "rollback") == 200
-    assert stack.script(4, "rollback") == 0
+    status, sent = stack.request(1)
+    assert status == 200 and len(sent) == 2
+    code, scripted = stack.script(2, "commit")
+    assert code == 0 and len(scripted) == 2
+    assert stack.request(3, "rollback")[0] == 200
+    assert stack.script(4, "rollback")[0] == 0
     stack.ran_once(1)
     stack.ran_once(2)
-    assert stack.request(5) == 200  # sent after the rolled-back ones: when it ran, they would have
+    # the ids the sends got inside the block are the ids that ran
+    for message_id in sent + scripted:
+        wait_for(lambda m=message_id: "completed" in stack.events(m), timeout=30, what=message_id)
+    assert stack.request(5)[0] == 200  # sent after the rolled-back ones
     stack.ran_once(5)
     assert stack.runs(3) == [] and stack.runs(4) == []
     assert not stack.order_exists(3) and not stack.order_exists(4)
     assert stack.pending() == 0
 
 
-@pytest.mark.timeout(300)
-def test_killed_after_commit_the_relay_sends_it_once(stack: Stack) -> None:
-    assert stack.script(10, "die") == -signal.SIGKILL
-    assert stack.order_exists(10) and stack.pending() == 2  # committed, nothing published
-    assert stack.runs(10) == []
+def relayed(stack: Stack) -> Iterator[None]:
     relay = stack.relay()
     try:
-        stack.ran_once(10)
-        wait_for(lambda: stack.pending() == 0, timeout=30, what="the outbox to be empty")
+        yield
     finally:
         relay.stop()
         stack.processes.remove(relay)
+
+
+@pytest.mark.timeout(300)
+def test_killed_after_commit_the_relay_sends_it_once(stack: Stack) -> None:
+    code, sent = stack.script(10, "die")
+    assert code == -signal.SIGKILL and len(sent) == 2
+    assert stack.order_exists(10) and stack.pending() == 2  # committed, nothing published
+    assert stack.runs(10) == []
+    for _ in relayed(stack):
+        stack.ran_once(10)
+        wait_for(lambda: stack.pending() == 0, timeout=30, what="the outbox to be empty")
     assert stack.runs(10) == [("celery", True), ("dramatiq", True)]
+    for message_id in sent:  # published by the relay under the ids fixed in the block
+        assert stack.events(message_id).count("completed") == 1
+
+
+@pytest.mark.timeout(300)
+def test_killed_after_publishing_the_relay_copy_is_dropped_by_the_guard(stack: Stack) -> None:
+    code, (celery_id, dramatiq_id) = stack.script(11, "die_after_publish")
+    assert code == -signal.SIGKILL
+    # The Celery send was published, then the process died before marking it sent (and
+    # before publishing the Dramatiq one): both stay pending.
+    wait_for(lambda: stack.runs(11) == [("celery", True)], timeout=60, what="the Celery task")
+    assert stack.pending() == 2
+    for _ in relayed(stack):
+        stack.ran_once(11)
+        wait_for(lambda: stack.pending() == 0, timeout=30, what="the outbox to be empty")
+        wait_for(
+            lambda: "duplicate_skipped" in stack.events(celery_id),
+            timeout=30,
+            what="the relay's copy of the Celery send to be skipped",
+        )
+    assert stack.runs(11) == [("celery", True), ("dramatiq", True)]
+    assert stack.events(celery_id).count("completed") == 1
+    assert stack.events(dramatiq_id).count("completed") == 1
 
 
 @pytest.mark.timeout(300)
@@ -241,18 +287,14 @@ def test_broker_down_at_commit_the_sends_wait_and_go_out_when_it_is_back(stack: 
     port = stack.redis.port
     stack.redis.stop()
     try:
-        assert stack.request(20) == 200  # no error reaches the request
-        assert stack.script(21, "commit") == 0
+        assert stack.request(20)[0] == 200  # no error reaches the request
+        assert stack.script(21, "commit")[0] == 0
         assert stack.order_exists(20) and stack.order_exists(21)
         assert stack.pending() == 4
     finally:
         stack.redis.port = port
         stack.redis.start()
-    relay = stack.relay()
-    try:
+    for _ in relayed(stack):
         stack.ran_once(20)
         stack.ran_once(21)
         wait_for(lambda: stack.pending() == 0, timeout=30, what="the outbox to be empty")
-    finally:
-        relay.stop()
-        stack.processes.remove(relay)
