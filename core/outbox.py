@@ -148,6 +148,11 @@ def send_on_commit(
 
     target: Any = bind() if isinstance(bind, scoped_session) else bind
     if isinstance(target, Session):
+        if on_commit is not None:
+            raise ConfigError(
+                "send_on_commit(session, on_commit=…): a Session's commit is seen by taskonce "
+                "itself; on_commit= is for a Connection whose transaction someone else commits"
+            )
         chosen = _guard_for(guard)
         store = _sql_store(chosen)
         _check_bind(store, target)

@@ -214,6 +214,26 @@ def test_a_connection_block_is_its_transaction(world: World) -> None:
     assert len(world.outbox()) == 1
 
 
+def test_a_connection_in_someone_elses_transaction_hands_the_publish_to_on_commit(
+    world: World,
+) -> None:
+    callbacks: list[Any] = []
+    with world.engine.begin() as connection:
+        connection.execute(world.orders.insert().values(id=1))
+        with taskonce.send_on_commit(connection, guard=world.guard, on_commit=callbacks.append):
+            sent = charge(1)
+        assert len(callbacks) == 1 and world.broker.sent == []
+    callbacks.pop()()  # what the owner of the transaction does after its commit
+    assert [s.id for s in world.broker.sent] == [sent] and world.broker.visible == [True]
+    with pytest.raises(taskonce.ConfigError, match="must be callable"):
+        with world.engine.connect() as connection:
+            with taskonce.send_on_commit(connection, guard=world.guard, on_commit=1):  # type: ignore[arg-type]
+                pass
+    with pytest.raises(taskonce.ConfigError, match="on_commit= is for a Connection"):
+        with taskonce.send_on_commit(world.session(), guard=world.guard, on_commit=print):
+            pass
+
+
 def test_a_scoped_session_works_like_its_session(world: World) -> None:
     scoped = scoped_session(sessionmaker(world.engine))
     try:
