@@ -267,7 +267,7 @@ def _check_bind(store: SQLStore, target: Session | Connection) -> None:
     from sqlalchemy.exc import UnboundExecutionError
 
     if isinstance(target, Connection):
-        store.check_shared(target)
+        store.check_shared(target, target.in_transaction())
         return
     try:
         bind = target.get_bind()
@@ -275,7 +275,7 @@ def _check_bind(store: SQLStore, target: Session | Connection) -> None:
         raise ConfigError(
             "send_on_commit(session): the session is bound to no engine or connection"
         ) from None
-    store.check_shared(bind)
+    store.check_shared(bind, target.in_transaction())
 
 
 _LISTENING = threading.Lock()

@@ -59,6 +59,7 @@ class World:
         self.store = store
         self.broker = Broker()
         self.events: list[dict[str, Any]] = []
+        store.create_tables()  # as an application does at start-up (taskonce init-db)
         self.guard = taskonce.Guard(store, events=[self], dispatch_lease=1.0)
         self.guard.register_publisher(FRAMEWORK, self.broker)
         self.engine = sa.create_engine(url)
@@ -232,6 +233,25 @@ def test_a_connection_in_someone_elses_transaction_hands_the_publish_to_on_commi
     with pytest.raises(taskonce.ConfigError, match="on_commit= is for a Connection"):
         with taskonce.send_on_commit(world.session(), guard=world.guard, on_commit=print):
             pass
+
+
+def test_sqlite_without_the_table_inside_a_transaction_is_a_clear_error(tmp_path: Any) -> None:
+    store = taskonce.open_store(f"sqlite:///{tmp_path}/fresh.db")
+    guard = taskonce.Guard(store)
+    guard.register_publisher(FRAMEWORK, Broker())
+    engine = sa.create_engine(f"sqlite:///{tmp_path}/fresh.db")
+    try:
+        with engine.begin() as connection:
+            connection.exec_driver_sql("CREATE TABLE orders (id INTEGER PRIMARY KEY)")
+            with pytest.raises(taskonce.ConfigError, match="create it first"):
+                with taskonce.send_on_commit(connection, guard=guard, on_commit=print):
+                    pass
+        with Session(engine) as session, taskonce.send_on_commit(session, guard=guard):
+            pass  # outside a transaction the block creates the table itself
+        assert store.stats()["keys"] == 0
+    finally:
+        engine.dispose()
+        store.close()
 
 
 def test_a_scoped_session_works_like_its_session(world: World) -> None:

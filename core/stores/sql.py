@@ -1326,10 +1326,12 @@ class SQLStore(Store):
 
     # -- the producer outbox -----------------------------------------------------------------
 
-    def check_shared(self, bind: Engine | Connection) -> None:
+    def check_shared(self, bind: Engine | Connection, in_transaction: bool = False) -> None:
         """:class:`ConfigError` unless ``bind`` (an application's engine or connection) reaches
         the database this store's table lives in: the outbox's rows are written through the
-        application's transaction, and the relay reads them through the store."""
+        application's transaction, and the relay reads them through the store. Creates the
+        store's tables if needed, which on SQLite cannot wait for a transaction that is already
+        open (``in_transaction``) and may hold the database's only write lock."""
         url = bind.engine.url
         family = _FAMILIES.get(url.get_backend_name())
         theirs: tuple[Any, ...] = (family, url.host or None, url.port, url.database or None)
@@ -1351,6 +1353,12 @@ class SQLStore(Store):
             raise ConfigError(
                 f"the outbox needs a database file or server; {self._redacted} is an in-memory "
                 "SQLite database private to one connection"
+            )
+        if self._family == "sqlite" and in_transaction and not self._ready:
+            raise ConfigError(
+                f"the store's table {self._table_label} may not exist yet and SQLite cannot "
+                "create it while your transaction holds the write lock: create it first "
+                "(taskonce init-db, or store.create_tables() at start-up)"
             )
         # Now, not inside the application's transaction (SQLite: it holds the write lock).
         self._ensure_ready("send_on_commit")
