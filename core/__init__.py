@@ -19,6 +19,7 @@ from taskonce.errors import (
 from taskonce.events import EventSink, JsonlEvents, LoggingEvents
 from taskonce.guard import Decision, Delivery, Guard, Outcome, Ticket
 from taskonce.handoff import Send, send_now
+from taskonce.outbox import send_on_commit
 from taskonce.policy import Policy
 from taskonce.session import current_session
 from taskonce.stores import MemoryStore, Record, Status, Store, open_store
@@ -54,6 +55,7 @@ __all__ = [
     "current_session",
     "open_store",
     "send_now",
+    "send_on_commit",
 ]
 
 

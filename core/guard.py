@@ -77,6 +77,36 @@ RECORDER_HOLD = 10.0
 _REDISPATCH_RETRY = 5.0
 
 
+#: Keys of the producer outbox's records (:func:`taskonce.send_on_commit`) start with this.
+OUTBOX_PREFIX = "outbox:"
+
+#: The guards that frameworks registered publishers with, in this process: where
+#: :func:`taskonce.send_on_commit` finds its guard when none is named.
+_PUBLISHING: weakref.WeakSet[Guard] = weakref.WeakSet()
+
+
+def publishing_guards() -> list[Guard]:
+    """The live guards of this process that a framework registered a publisher with."""
+    return list(_PUBLISHING)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxRow:
+    """One send of the producer outbox, written in an application's transaction.
+
+    :param key: its record's key (``outbox:<uuid>``).
+    :param token: the dispatch token it was written with (holding its dispatch lease).
+    :param text: the send's JSON text.
+    :param verify: read the record back before publishing (it was written inside a savepoint
+        that may have been rolled back).
+    """
+
+    key: str
+    token: str
+    text: str
+    verify: bool = False
+
+
 class Decision(str, enum.Enum):
     """What :meth:`Guard.begin` decided for a delivery."""
 
@@ -211,6 +241,8 @@ class Guard:
             )
         self.send_limit = send_limit
         self.dispatch_lease = float(dispatch_lease)
+        #: how long whoever records sends holds them to publish them itself (RECORDER_HOLD)
+        self.recorder_hold = min(self.dispatch_lease, RECORDER_HOLD)
         self._publishers: dict[str, Publisher] = {}
         self._relay_lock = threading.Lock()
         self._relay_thread: tuple[int, threading.Thread, threading.Event] | None = None
@@ -230,6 +262,72 @@ class Guard:
         if not callable(publish):
             raise ConfigError(f"register_publisher: {publish!r} is not callable")
         self._publishers[framework] = publish
+        _PUBLISHING.add(self)
+
+    def frameworks(self) -> tuple[str, ...]:
+        """The frameworks whose sends this guard can publish (registered publishers)."""
+        return tuple(self._publishers)
+
+    def dispatch_committed(self, rows: Sequence[OutboxRow]) -> int:
+        """Publish the sends of outbox records whose transaction just committed, in order, and
+        mark each dispatched; the number published. Never raises: a send that could not be
+        published (broker down, store blip) stays pending for the relay, whose lease on it is
+        let go at once."""
+        for row in rows:
+            self._outbox_event("sends_deferred", row.key, (row.text,))
+        published = 0
+        for index, row in enumerate(rows):
+            try:
+                if (
+                    row.verify
+                    and not self.store.take_sends(row.key, row.token, self.dispatch_lease).sends
+                ):
+                    self._outbox_event("sends_discarded", row.key, (row.text,))
+                    continue  # rolled back with its savepoint
+            except StoreUnavailable:
+                logger.warning("could not read outbox record %s back; the relay will", row.key)
+                self._let_go(rows[index + 1 :])
+                break
+            if not self._dispatch(row.key, row.token, (row.text,), None):
+                self._let_go(rows[index + 1 :])
+                break
+            published += 1
+            self._outbox_event("sends_dispatched", row.key, (row.text,))
+        return published
+
+    def discard_uncommitted(self, rows: Sequence[OutboxRow]) -> None:
+        """Forget outbox records whose transaction rolled back (nothing of them was stored)."""
+        for row in rows:
+            self._outbox_event("sends_discarded", row.key, (row.text,))
+
+    def _let_go(self, rows: Sequence[OutboxRow]) -> None:
+        """Release the dispatch leases of ``rows`` (not published): the relay may take them."""
+        for row in rows:
+            try:
+                self.store.take_sends(row.key, row.token, 0.0)
+            except StoreUnavailable:
+                return  # their leases run out instead
+
+    def _outbox_event(self, name: str, key: str, texts: Sequence[str]) -> None:
+        """A producer's event: no incoming message, so ``key`` is None; ``message_id`` names the
+        outbox record, ``framework`` the sends' framework (one event per framework)."""
+        if len(self.sinks) == 1 and not LoggingEvents.wants(name):
+            return
+        counts: dict[str, int] = {}
+        for text in texts:
+            framework = Send.from_json(text).framework
+            counts[framework] = counts.get(framework, 0) + 1
+        for framework, count in counts.items():
+            self._send(
+                make_event(
+                    name,
+                    message_id=key,
+                    framework=framework,
+                    lease_s=self.dispatch_lease,
+                    keep_for_s=self.default.keep_for,
+                    count=count,
+                )
+            )
 
     def relay(self, older_than: float = 10.0, batch: int = 100) -> int:
         """Publish the deferred sends left pending for at least ``older_than`` seconds (a worker
@@ -246,6 +344,9 @@ class Guard:
                 continue  # published meanwhile, or another dispatcher holds it
             if self._dispatch(key, token, lease.sends, None):
                 dispatched += 1
+                if key.startswith(OUTBOX_PREFIX):
+                    self._outbox_event("sends_dispatched", key, lease.sends)
+                    continue
                 self._send(
                     make_event(
                         "sends_dispatched",
@@ -571,7 +672,7 @@ class Guard:
         token = ticket.owner or (secrets.token_hex(16) if sends else "")
         # The recorder holds the sends' dispatch lease while it publishes them: a redelivery
         # arriving in between waits instead of publishing them a second time.
-        hold = min(self.dispatch_lease, RECORDER_HOLD)
+        hold = self.recorder_hold
         recorded = False
         try:
             if policy.mode == "eager":

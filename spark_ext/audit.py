@@ -617,7 +617,7 @@ def audit(
             .collect()
         ]
 
-        handoff = _handoff_figures(classified)
+        handoff, producer = _handoff_figures(classified)
 
         # samples for the readable report
         leaks_sample = [
@@ -633,6 +633,7 @@ def audit(
             scopes, total_events, bound_values, safety_factor, what_if, now
         )
         report["handoff"] = handoff
+        report["producer"] = producer
         malformed = int(overall.get("malformed") or 0)
         if malformed:
             logger.warning("dropped %d malformed event row(s) (no event name or bad ts)", malformed)
@@ -711,49 +712,89 @@ HANDOFF_FIELDS = (
 )
 
 
-def _handoff_figures(classified: DataFrame) -> dict[str, Any]:
-    """The hand-off: records whose sends were stored with their outcome (``sends_deferred``),
-    how long until they were published (``sends_dispatched`` by the worker or a relay,
-    ``sends_redispatched`` by a redelivery) — the dispatch lag, from the outcome to the first
-    publication after it — and those still unpublished at the log's end (stranded)."""
+def _handoff_figures(classified: DataFrame) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The hand-off's figures, for the tasks' own sends (``"handoff"``) and for the producer
+    outbox (``"producer"``, ``taskonce.send_on_commit``), in one pass.
+
+    Records whose sends were stored (``sends_deferred``: with a task's outcome, or at the
+    application's commit), how long until they were published (``sends_dispatched`` by the
+    worker, the committing process or a relay, ``sends_redispatched`` by a redelivery) — the
+    dispatch lag, to the first publication after it — those still unpublished at the log's end
+    (stranded) and the discarded ones. A task's record is its ``key``; a producer's events have
+    no key (no incoming message) and name their outbox record as ``message_id``."""
     from pyspark.sql import functions as F
 
-    valid = (F.col("is_valid") == 1) & F.col("key").isNotNull()
+    handler = F.col("key").isNotNull()
+    producer = F.col("key").isNull() & F.col("message_id").startswith("outbox:")
+    events = classified.filter(
+        (F.col("is_valid") == 1)
+        & (handler | producer)
+        & _in(
+            "event", ("sends_deferred", "sends_dispatched", "sends_redispatched", "sends_discarded")
+        )
+    ).select(
+        F.when(handler, F.lit("handoff")).otherwise(F.lit("producer")).alias("part"),
+        F.coalesce(F.col("key"), F.col("message_id")).alias("record"),
+        "event",
+        "t_ms",
+    )
     deferred = (
-        classified.filter(valid & (F.col("event") == "sends_deferred"))
-        .groupBy("key")
+        events.filter(F.col("event") == "sends_deferred")
+        .groupBy("part", "record")
         .agg(F.min("t_ms").alias("deferred_ms"))
     )
-    sent = classified.filter(
-        valid & _in("event", ("sends_dispatched", "sends_redispatched"))
-    ).select(F.col("key").alias("sent_key"), F.col("t_ms").alias("sent_ms"))
+    sent = events.filter(_in("event", ("sends_dispatched", "sends_redispatched"))).select(
+        F.col("part").alias("sent_part"),
+        F.col("record").alias("sent_record"),
+        F.col("t_ms").alias("sent_ms"),
+    )
     lags = (
         deferred.join(
             sent,
-            (deferred["key"] == sent["sent_key"]) & (sent["sent_ms"] >= deferred["deferred_ms"]),
+            (deferred["part"] == sent["sent_part"])
+            & (deferred["record"] == sent["sent_record"])
+            & (sent["sent_ms"] >= deferred["deferred_ms"]),
             "left",
         )
-        .groupBy("key", "deferred_ms")
+        .groupBy("part", "record", "deferred_ms")
         .agg(F.min("sent_ms").alias("sent_ms"))
         .withColumn("lag_ms", F.col("sent_ms") - F.col("deferred_ms"))
     )
-    row = lags.agg(
-        F.count(F.lit(1)).alias("records"),
-        F.count("sent_ms").alias("dispatched"),
-        F.percentile_approx("lag_ms", [0.5, 0.99], APPROX_ACCURACY).alias("p"),
-        F.max("lag_ms").alias("max_ms"),
-    ).collect()[0]
-    discarded = classified.filter(valid & (F.col("event") == "sends_discarded")).count()
-    p50, p99 = (row["p"] or [None, None]) if row["dispatched"] else (None, None)
-    return {
-        "records_deferred": int(row["records"]),
-        "records_dispatched": int(row["dispatched"]),
-        "stranded": int(row["records"]) - int(row["dispatched"]),
-        "discarded": int(discarded),
-        "dispatch_lag_p50_s": _seconds(p50),
-        "dispatch_lag_p99_s": _seconds(p99),
-        "dispatch_lag_max_s": _seconds(row["max_ms"]),
+    figures = {
+        row["part"]: row
+        for row in lags.groupBy("part")
+        .agg(
+            F.count(F.lit(1)).alias("records"),
+            F.count("sent_ms").alias("dispatched"),
+            F.percentile_approx("lag_ms", [0.5, 0.99], APPROX_ACCURACY).alias("p"),
+            F.max("lag_ms").alias("max_ms"),
+        )
+        .collect()
     }
+    discarded = {
+        row["part"]: int(row["count"])
+        for row in events.filter(F.col("event") == "sends_discarded")
+        .groupBy("part")
+        .count()
+        .collect()
+    }
+
+    def part(name: str) -> dict[str, Any]:
+        row = figures.get(name)
+        records = int(row["records"]) if row else 0
+        dispatched = int(row["dispatched"]) if row else 0
+        p50, p99 = (row["p"] or [None, None]) if row and dispatched else (None, None)
+        return {
+            "records_deferred": records,
+            "records_dispatched": dispatched,
+            "stranded": records - dispatched,
+            "discarded": discarded.get(name, 0),
+            "dispatch_lag_p50_s": _seconds(p50),
+            "dispatch_lag_p99_s": _seconds(p99),
+            "dispatch_lag_max_s": _seconds(row["max_ms"] if row else None),
+        }
+
+    return part("handoff"), part("producer")
 
 
 def _shuffle_partitions(spark: SparkSession, raw: DataFrame, has_jdbc: bool) -> int:

@@ -350,6 +350,25 @@ def _sections(result: AuditResult) -> list[tuple[str, list[str], list[list[str]]
                 "for a relay (`taskonce relay`).",
             )
         )
+    producer = result.report.get("producer") or {}
+    if producer.get("records_deferred") or producer.get("discarded"):
+        sections.append(
+            (
+                "Producer outbox (sends from send_on_commit)",
+                ["figure", "value"],
+                [
+                    ["sends committed", f"{producer['records_deferred']:,}"],
+                    ["published", f"{producer['records_dispatched']:,}"],
+                    ["stranded (unpublished at the log's end)", f"{producer['stranded']:,}"],
+                    ["discarded (rolled back)", f"{producer['discarded']:,}"],
+                    ["dispatch lag p50 s", f"{producer['dispatch_lag_p50_s']:g}"],
+                    ["dispatch lag p99 s", f"{producer['dispatch_lag_p99_s']:g}"],
+                    ["dispatch lag max s", f"{producer['dispatch_lag_max_s']:g}"],
+                ],
+                "Dispatch lag: from the application's commit to the send's publication (right "
+                "after the commit, or by the relay after a crash or a broker outage).",
+            )
+        )
     sections.append(
         (
             "Leaked keys",

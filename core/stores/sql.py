@@ -1324,6 +1324,67 @@ class SQLStore(Store):
                 locking=True,
             )
 
+    # -- the producer outbox -----------------------------------------------------------------
+
+    def check_shared(self, bind: Engine | Connection, in_transaction: bool = False) -> None:
+        """:class:`ConfigError` unless ``bind`` (an application's engine or connection) reaches
+        the database this store's table lives in: the outbox's rows are written through the
+        application's transaction, and the relay reads them through the store. Creates the
+        store's tables if needed, which on SQLite cannot wait for a transaction that is already
+        open (``in_transaction``) and may hold the database's only write lock."""
+        url = bind.engine.url
+        family = _FAMILIES.get(url.get_backend_name())
+        theirs: tuple[Any, ...] = (family, url.host or None, url.port, url.database or None)
+        ours: tuple[Any, ...] = (
+            self._family,
+            self._url.host or None,
+            self._url.port,
+            self._url.database or None,
+        )
+        if self._family == "sqlite":
+            theirs, ours = (family, _sqlite_path(url)), (self._family, _sqlite_path(self._url))
+        if theirs != ours:
+            raise ConfigError(
+                f"the session's database {url.render_as_string(hide_password=True)!r} is not "
+                f"the store's ({self._redacted}): the outbox's rows must be written in the same "
+                "database as your own rows, where the store's relay finds them"
+            )
+        if self._memory:
+            raise ConfigError(
+                f"the outbox needs a database file or server; {self._redacted} is an in-memory "
+                "SQLite database private to one connection"
+            )
+        if self._family == "sqlite" and in_transaction and not self._ready:
+            raise ConfigError(
+                f"the store's table {self._table_label} may not exist yet and SQLite cannot "
+                "create it while your transaction holds the write lock: create it first "
+                "(taskonce init-db, or store.create_tables() at start-up)"
+            )
+        # Now, not inside the application's transaction (SQLite: it holds the write lock).
+        self._ensure_ready("send_on_commit")
+
+    def record_sends_in(
+        self,
+        connection: Connection,
+        key: str,
+        sends: Sequence[str],
+        token: str,
+        keep_for: float,
+        dispatch_lease: float,
+    ) -> None:
+        """Write a record ``key`` holding ``sends`` (pending, dispatch lease held by ``token``
+        for ``dispatch_lease`` seconds) through ``connection``'s transaction, not committed
+        here: the application's rows and the sends commit or roll back together."""
+        _check_key(key)
+        _check_token("token", token)
+        self._ensure_ready("record_sends_in")
+        with self._errors("record_sends_in"):
+            wrote = self._mark(
+                connection, key, keep_for, None, None, sends, token, dispatch_lease, locking=True
+            )
+        if not wrote:
+            raise InvalidInput(f"outbox record {key!r} exists already")
+
 
 def _check_worker(worker: str | None) -> None:
     if worker is not None and len(worker) > MAX_WORKER_LENGTH:
@@ -1351,6 +1412,16 @@ def _record(row: Any) -> Record:
         sends_pending=pending,
         sends=tuple(json.loads(sends)) if sends else (),
     )
+
+
+def _sqlite_path(url: URL) -> str:
+    """The absolute path of an SQLite URL's database file ("" in memory)."""
+    database = url.database or ""
+    if database in ("", ":memory:"):
+        return ""
+    if database.startswith("file:"):
+        database = database[5:].split("?", 1)[0]
+    return os.path.realpath(database)
 
 
 def _pooled_dbapi_connections(engine: Engine) -> list[Any]:

@@ -40,6 +40,21 @@ def test_dispatch_lag_and_stranded_sends(spark: Any, tmp_path: Path) -> None:
         sends(41, "sends_discarded", "orders:k5", 3),
         worked.event(41, "released", "orders:k5", "orders", "t.send"),
     ]
+
+    def produced(at: float, name: str, record: str) -> dict[str, Any]:
+        """A producer outbox event (taskonce.send_on_commit): no key, the record as message_id."""
+        return {**worked.event(at, name, None, None), "message_id": record, "count": 1}
+
+    events += [
+        # o1: published right after the commit (lag 0.2 s); o2: by the relay after a crash (9 s)
+        produced(5, "sends_deferred", "outbox:o1"),
+        produced(5.2, "sends_dispatched", "outbox:o1"),
+        produced(6, "sends_deferred", "outbox:o2"),
+        produced(15, "sends_dispatched", "outbox:o2"),
+        # o3: the broker is down, still pending at the log's end; o4: rolled back
+        produced(7, "sends_deferred", "outbox:o3"),
+        produced(8, "sends_discarded", "outbox:o4"),
+    ]
     log = worked.write_jsonl(tmp_path / "events.jsonl", events, malformed=False)
     out = tmp_path / "out"
     result = audit(spark, [str(log)], out=str(out), charts=False, now=worked.NOW)
@@ -54,10 +69,23 @@ def test_dispatch_lag_and_stranded_sends(spark: Any, tmp_path: Path) -> None:
     }
     assert result.report["handoff"] == expected
     assert json.loads((out / "report.json").read_text())["handoff"] == expected
+    producer = {
+        "records_deferred": 3,
+        "records_dispatched": 2,
+        "stranded": 1,
+        "discarded": 1,
+        "dispatch_lag_p50_s": 0.2,
+        "dispatch_lag_p99_s": 9.0,
+        "dispatch_lag_max_s": 9.0,
+    }
+    assert result.report["producer"] == producer
+    assert json.loads((out / "report.json").read_text())["producer"] == producer
     markdown = (out / "report.md").read_text()
     assert "## Hand-off (deferred sends)" in markdown
     assert "| stranded (unpublished at the log's end) | 1 |" in markdown
     assert "| dispatch lag p99 s | 60 |" in markdown
+    assert "## Producer outbox (sends from send_on_commit)" in markdown
+    assert "| discarded (rolled back) | 1 |" in markdown
     page = (out / "report.html").read_text()
     assert "Hand-off (deferred sends)" in page and "dispatch lag max s" in page
     # the redispatching redelivery is a skipped duplicate, nothing else
