@@ -20,6 +20,15 @@ def store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Store]:
         drop_store(s)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def redis_deployments_stopped() -> Iterator[None]:
+    """Stop the Redis Cluster and Sentinel servers a test started (by their pids), if any."""
+    from tests import redis_topologies
+
+    yield
+    redis_topologies.stop_all()
+
+
 @pytest.fixture(autouse=True)
 def no_capture_left_over() -> Iterator[None]:
     """Each test starts outside any hand-off capture: a test that begins a guarded delivery in
