@@ -796,6 +796,8 @@ class RedisStore(Store):
                 socket_connect_timeout=socket_timeout,
                 retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
             )
+        except ConfigError:
+            raise
         except (ValueError, TypeError) as exc:
             # redis-py's messages can quote the URL's query string; name only the redacted URL.
             raise ConfigError(
