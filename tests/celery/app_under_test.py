@@ -84,9 +84,7 @@ if ENV.get("TO_DLX"):
     from tests.celery.queues import dead_lettered_queue
 
     app.conf.task_queues = [dead_lettered_queue(PREFIX)]
-DEFAULT_POLICY = (
-    {"mode": "eager"} if LEASE == "default" else {"mode": "eager", "lease": float(LEASE)}
-)
+DEFAULT_POLICY = {"mode": "eager"} if LEASE == "default" else {"mode": "eager", "lease": float(LEASE)}
 if ENV.get("TO_BY_SETTINGS"):
     app.conf.update(
         taskonce_store=taskonce.open_store(STORE, **store_options),

@@ -325,6 +325,7 @@ def build(config: Config) -> App:
         def wants_sql(table: str) -> None:
             runs.record(table)
 
+
     # -- the hand-off: actors that send, and crashes in the middle of enqueueing -------------
 
     @actor(main)
