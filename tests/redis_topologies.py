@@ -267,3 +267,57 @@ def stop_all() -> None:
     while _STARTED:
         _, deployment = _STARTED.popitem()
         deployment.stop()
+
+
+class TlsServer:
+    """A redis-server that speaks only TLS, with a throwaway CA and a certificate for
+    127.0.0.1 made by ``openssl`` in ``folder``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.ca = folder / "ca.crt"
+        self.server: _Server | None = None
+
+    def _certificates(self) -> None:
+        openssl = _binary("openssl")
+
+        def run(*args: str) -> None:
+            done = subprocess.run(
+                [openssl, *args], cwd=self.folder, capture_output=True, text=True, check=False
+            )
+            assert done.returncode == 0, done.stderr
+
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+            "/CN=taskonce test CA", "-keyout", "ca.key", "-out", "ca.crt")  # fmt: skip
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+            "-keyout", "server.key", "-out", "server.csr")  # fmt: skip
+        (self.folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+        run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "2", "-extfile", "san.ext", "-out", "server.crt")  # fmt: skip
+
+    def start(self) -> TlsServer:
+        self._certificates()
+        port = free_port()
+        self.server = _Server(
+            self.folder,
+            [
+                "port 0",
+                f"tls-port {port}",
+                f"tls-cert-file {self.folder / 'server.crt'}",
+                f"tls-key-file {self.folder / 'server.key'}",
+                f"tls-ca-cert-file {self.ca}",
+                "tls-auth-clients no",
+            ],
+        )
+        self.server.port = port  # the port that answers: the TLS one
+        self.server.start()
+        return self
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.port
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.kill()

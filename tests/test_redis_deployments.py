@@ -11,6 +11,7 @@ import collections
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ import taskonce
 from taskonce import ConfigError, Guard, InProgressElsewhere, Policy, StoreUnavailable
 from taskonce.stores import Status
 from tests.helpers import free_port, wait_for
-from tests.redis_topologies import SentinelDeployment
+from tests.redis_topologies import SentinelDeployment, TlsServer
 
 KEYS = 120
 KILL_AT = 40  # the master is SIGKILLed while this key's handler runs
@@ -139,3 +140,32 @@ def test_cluster_url_with_a_database_or_a_braced_prefix_is_refused() -> None:
         taskonce.open_store(url, prefix="{taskonce}")
     with pytest.raises(ConfigError, match=r"unknown query option 'sockettimeout'"):
         taskonce.open_store(f"{url}?sockettimeout=2")
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[TlsServer]:
+    server = TlsServer(tmp_path)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+def test_rediss_url_with_the_ca_works_and_without_it_is_refused(tls_server: TlsServer) -> None:
+    base = f"rediss://127.0.0.1:{tls_server.port}/0"
+    store = taskonce.open_store(f"{base}?ssl_cert_reqs=required&ssl_ca_certs={tls_server.ca}")
+    guard = Guard(store)
+    runs: list[str] = []
+    assert guard.run("m1", "q", runs.append, "m1").status == "ran"
+    assert guard.run("m1", "q", runs.append, "m1").status == "skipped"
+    assert runs == ["m1"]
+    guard.close()
+    # The server's certificate is signed by a CA the system does not trust: refused, and
+    # fail_closed runs nothing.
+    untrusted = Guard(taskonce.open_store(f"{base}?ssl_cert_reqs=required", socket_timeout=2.0))
+    with pytest.raises(StoreUnavailable, match="certificate verify failed"):
+        untrusted.run("m2", "q", runs.append, "m2")
+    assert runs == ["m1"]
+    untrusted.close()
+    with pytest.raises(ConfigError, match="TLS needs a rediss:// URL"):
+        taskonce.open_store(f"redis://127.0.0.1:{tls_server.port}/0?ssl_ca_certs={tls_server.ca}")
