@@ -169,3 +169,39 @@ def test_rediss_url_with_the_ca_works_and_without_it_is_refused(tls_server: TlsS
     untrusted.close()
     with pytest.raises(ConfigError, match="TLS needs a rediss:// URL"):
         taskonce.open_store(f"redis://127.0.0.1:{tls_server.port}/0?ssl_ca_certs={tls_server.ca}")
+
+
+def test_min_replicas_met_runs_and_unmeetable_is_a_clear_error() -> None:
+    from tests import redis_topologies
+
+    url = redis_topologies.sentinel().url  # a master with one replica
+    prefix = f"mr{uuid.uuid4().hex[:6]}"
+    met = Guard(taskonce.open_store(f"{url}?prefix={prefix}&min_replicas=1"))
+    runs: list[str] = []
+    assert met.run("m1", "q", runs.append, "m1").status == "ran"
+    assert met.run("m1", "q", runs.append, "m1").status == "skipped"
+    met.close()
+
+    unmet = Guard(
+        taskonce.open_store(url, prefix=prefix, min_replicas=2, socket_timeout=1.0),
+        default=Policy(on_store_error="fail_closed"),
+    )
+    with pytest.raises(StoreUnavailable) as info:
+        unmet.run("m2", "q", runs.append, "m2")
+    assert "acknowledged by 1 replica(s) within 500 ms, fewer than min_replicas=2" in str(
+        info.value
+    )
+    assert runs == ["m1"], "a claim that could be lost in a failover ran its handler"
+    assert unmet.store.get("q:m1") is not None  # reads do not wait
+    unmet.close()
+
+
+def test_min_replicas_bad_values_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"min_replicas must be a whole number.*'-1'"):
+        taskonce.open_store("redis://127.0.0.1:6379/0?min_replicas=-1")
+    with pytest.raises(ConfigError, match=r"min_replicas is '1' in the URL but '2'"):
+        taskonce.open_store("redis://127.0.0.1:6379/0?min_replicas=1", min_replicas=2)
+    from tests import redis_topologies
+
+    with pytest.raises(ConfigError, match=r"min_replicas is not available on Redis Cluster"):
+        taskonce.open_store(f"{redis_topologies.cluster().url}?min_replicas=1")

@@ -434,8 +434,18 @@ class _SharedTrips:
     waits for a thread that stopped. Only the sender's own thread sees its interruption.
     """
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        wait: tuple[int, int] | None = None,
+        reads: frozenset[str] = frozenset(),
+    ) -> None:
         self._client = client
+        # ``min_replicas``: (replicas, timeout ms) for a WAIT after the writes of each round
+        # trip, on the same connection (WAIT counts that connection's writes); ``reads`` are
+        # the SHA1s of the scripts that write nothing.
+        self._wait = wait
+        self._reads = reads
         self._reset()
         _FORKED.add(self)
 
@@ -476,30 +486,61 @@ class _SharedTrips:
             raise
         return call
 
-    def _send(self, batch: list[_Call]) -> None:
-        if len(batch) == 1:
+    def _send(self, batch: list[_Call], loaded: bool = False) -> None:
+        waits = self._wait is not None and any(c.script.sha not in self._reads for c in batch)
+        if len(batch) == 1 and not waits:
             self._send_one(batch[0])
             return
         pipe = self._client.pipeline(transaction=False)
         for call in batch:
             pipe.evalsha(call.script.sha, 1, call.name, *call.args)
+        if waits:
+            assert self._wait is not None
+            pipe.wait(*self._wait)
         try:
             replies = pipe.execute(raise_on_error=False)
+            acked = replies.pop() if waits else None
+            if isinstance(acked, Exception):
+                raise acked
         except (redis.exceptions.DataError, UnicodeError):
             # An argument redis-py cannot encode fails the pipeline before anything is sent:
             # send each call alone, so only the bad one fails.
             for call in batch:
-                self._send_one(call)
+                if waits and len(batch) > 1:
+                    self._send([call])
+                else:
+                    self._send_one(call)
             return
         except Exception as exc:  # the whole round trip failed
             for call in batch:
                 call.answer(error=exc if call is batch[0] or _cannot_answer(exc) else _shared(exc))
+            return
+        if acked is not None:
+            self._answer_replicated(batch, replies, int(acked), loaded)
             return
         for call, reply in zip(batch, replies, strict=True):
             if isinstance(reply, redis.exceptions.NoScriptError):
                 self._send_one(call)  # loads the script (after a restart or SCRIPT FLUSH)
             elif isinstance(reply, BaseException):
                 call.answer(error=reply)
+            else:
+                call.answer(reply)
+
+    def _answer_replicated(
+        self, batch: list[_Call], replies: list[Any], acked: int, loaded: bool
+    ) -> None:
+        """Answer a batch sent with a WAIT: a write that fewer than ``min_replicas`` replicas
+        acknowledged is :class:`NotReplicated` (its caller gets StoreUnavailable)."""
+        assert self._wait is not None
+        wanted, timeout_ms = self._wait
+        for call, reply in zip(batch, replies, strict=True):
+            if isinstance(reply, redis.exceptions.NoScriptError) and not loaded:
+                self._client.script_load(call.script.script)  # after a restart or SCRIPT FLUSH
+                self._send([call], loaded=True)
+            elif isinstance(reply, BaseException):
+                call.answer(error=reply)
+            elif acked < wanted and call.script.sha not in self._reads:
+                call.answer(error=NotReplicated(acked, wanted, timeout_ms))
             else:
                 call.answer(reply)
 
@@ -577,6 +618,18 @@ class _OneTrip:
         else:
             call.answer(reply)
         return call
+
+
+class NotReplicated(redis.exceptions.ConnectionError):
+    """A write the master applied but fewer replicas than ``min_replicas`` acknowledged in
+    time: a failover now could lose it, so its caller is told the store did not answer."""
+
+    def __init__(self, acked: int, wanted: int, timeout_ms: int) -> None:
+        super().__init__(
+            f"written on the master but acknowledged by {acked} replica(s) within {timeout_ms} "
+            f"ms, fewer than min_replicas={wanted}; a failover could lose it (does the master "
+            f"have {wanted} connected replica(s)?)"
+        )
 
 
 def _release(call: _Call) -> None:
@@ -699,6 +752,11 @@ class RedisStore(Store):
         fails with :class:`~taskonce.errors.StoreUnavailable`. Default 5. A call queued behind
         another thread's round trip waits for that one first, so it can take up to about
         twice as long to fail.
+    :param min_replicas: after each write, wait (Redis ``WAIT``, up to half of
+        ``socket_timeout``) until this many replicas have it; a write fewer replicas
+        acknowledged raises :class:`~taskonce.errors.StoreUnavailable` (the master has it; a
+        failover could lose it). Default 0: off. Also ``?min_replicas=`` in the URL. Not on
+        Redis Cluster.
 
     The client this store opens retries a command once, at once, after a connection error (a
     pooled connection that a Redis restart closed) but never after a timeout: a command that
@@ -714,10 +772,11 @@ class RedisStore(Store):
         prefix: str | None = None,
         client: redis.Redis | None = None,
         socket_timeout: float = 5.0,
+        min_replicas: int | None = None,
     ) -> None:
-        url_prefix = None
+        url_prefix = url_replicas = None
         if client is None and isinstance(url, str):
-            url, url_prefix = _take_prefix(url)
+            url, url_prefix, url_replicas = _take_own_options(url)
         prefix = own_value("RedisStore", "prefix", url_prefix, prefix, "taskonce")
         if not isinstance(prefix, str) or not prefix or any(c.isspace() for c in prefix):
             raise ConfigError(
@@ -733,6 +792,7 @@ class RedisStore(Store):
                 f"RedisStore socket_timeout must be a positive number of seconds, "
                 f"got {socket_timeout!r}"
             )
+        replicas = _replicas(url_replicas, min_replicas)
         self._prefix = prefix
         self._owns_client = client is None
         if client is None:
@@ -766,11 +826,18 @@ class RedisStore(Store):
                     f"RedisStore prefix {prefix!r}: on Redis Cluster the store adds its own hash "
                     "tags to the prefix; give it without braces"
                 )
+            if replicas:
+                raise ConfigError(
+                    "RedisStore min_replicas is not available on Redis Cluster (a WAIT would "
+                    "have to follow each write on its own node's connection)"
+                )
             self._tags = _bucket_tags(prefix)
             self._trips = _OneTrip(self._client)
             _CLUSTER_CLIENTS.add(self._client)
         else:
-            self._trips = _SharedTrips(self._client)
+            wait = (replicas, max(1, round(socket_timeout * 500))) if replicas else None
+            reads = frozenset(script.sha for script in (self._get, self._seen, self._pending))
+            self._trips = _SharedTrips(self._client, wait, reads)
         logger.debug("opened %s", self.describe())
 
     def _open(self, url: str, socket_timeout: float) -> redis.Redis:
@@ -1334,16 +1401,28 @@ def _url_kwargs(auth: str, db: str, query: str) -> dict[str, Any]:
     return kwargs
 
 
-def _take_prefix(url: str) -> tuple[str, str | None]:
-    """``url`` without its ``prefix`` query option, and that option's value; ConfigError for a
-    query option that neither taskonce nor redis-py takes. URLs of other schemes are returned
-    unchanged (``RedisStore._open`` refuses them)."""
+def _replicas(from_url: str | None, given: int | None) -> int:
+    """The ``min_replicas`` option (URL or argument, not two different values), checked."""
+    text = own_value(
+        "RedisStore", "min_replicas", from_url, None if given is None else str(given), "0"
+    )
+    if isinstance(given, bool) or not text.isdigit():
+        raise ConfigError(
+            f"RedisStore min_replicas must be a whole number of replicas (0: off), got {text!r}"
+        )
+    return int(text)
+
+
+def _take_own_options(url: str) -> tuple[str, str | None, str | None]:
+    """``url`` without its ``prefix`` and ``min_replicas`` query options, and their values;
+    ConfigError for a query option that neither taskonce nor redis-py takes. URLs of other
+    schemes are returned unchanged (``RedisStore._open`` refuses them)."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     head, mark, tail = url.partition("?")
     if scheme in ("redis+cluster", "redis+sentinel"):
         scheme = "redis"  # options of each node's plain connection
     if scheme not in _CONNECTION_CLASSES or not mark:
-        return url, None
+        return url, None, None
     query, hash_mark, fragment = tail.partition("#")
     safe = _safe_url(url)
     pairs = parse_qsl(query, keep_blank_values=True)
@@ -1359,13 +1438,14 @@ def _take_prefix(url: str) -> tuple[str, str | None]:
         "RedisStore",
         safe,
         values,
-        own=("prefix",),
+        own=("prefix", "min_replicas"),
         driver=f"redis-py ({scheme}://)",
         accepted=_driver_options(scheme),
     )
     prefix = values.pop("prefix", None)
+    replicas = values.pop("min_replicas", None)
     rest = f"?{urlencode(list(values.items()))}" if values else ""
-    return f"{head}{rest}{hash_mark}{fragment}", prefix
+    return f"{head}{rest}{hash_mark}{fragment}", prefix, replicas
 
 
-__all__ = ["RedisStore"]
+__all__ = ["NotReplicated", "RedisStore"]
