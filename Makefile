@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench install clean
+.PHONY: demo test lint typecheck bench install clean spark-cluster
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ typecheck: $(STAMP)
 	for f in core/*; do ln -s ../../../$$f build/typecheck/taskonce/; done
 	for d in celery_ext dramatiq_ext spark_ext demo; do ln -s ../../../$$d build/typecheck/taskonce/$$d; done
 	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p taskonce
+
+# The audit on a Spark standalone cluster (a master and two workers started by the test).
+spark-cluster: $(STAMP)
+	$(PY) -m pytest -q -ra -m spark_cluster tests/spark/test_standalone_cluster.py
 
 bench: $(STAMP)
 	$(PY) bench/store_ops.py
