@@ -172,7 +172,7 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
 
 
 EXAMPLES = {"memory": 150, "redis": 40, "postgresql": 25, "mariadb": 25, "sqlite": 25}
-EXAMPLES.update({"redis-cluster": 15, "redis-sentinel": 25})
+EXAMPLES.update({"redis-cluster": 8, "redis-sentinel": 15})
 
 
 @pytest.mark.parametrize("kind", [*STORE_KINDS, *REDIS_DEPLOYMENTS])
