@@ -601,7 +601,8 @@ class _OneTrip:
     its own retry and redirection handling for a partly failed batch (a MOVED during a
     resharding re-sends commands, which for a claim could make it look taken by itself). The
     cost is the system-call time that sharing saves when several threads of one process call
-    at the same moment (``bench/store_threads.py`` measures it on one server)."""
+    at the same moment: about a quarter of the throughput with 8 threads, nothing with one
+    (``bench/cluster_trips.py``, docs/performance.md)."""
 
     def __init__(self, client: Any) -> None:
         self._client = client
