@@ -737,15 +737,19 @@ def _bucket_tags(prefix: str) -> tuple[str, ...]:
 
 
 class RedisStore(Store):
-    """Claims and marks in Redis: standalone, or through ``client`` a Sentinel-managed primary.
-    Every script touches only the one key it is given, so the key layout is cluster-safe.
+    """Claims and marks in Redis: one server, a Sentinel-managed master or a Redis Cluster.
+    Every script touches one record and, for the hand-off, its sends index in the same hash
+    slot, so the scripts run on a cluster.
 
-    :param url: ``redis://[[user]:password@]host:port/db``, ``rediss://…`` (TLS) or
-        ``unix:///path/to/redis.sock?db=0``. Query options: ``prefix`` (taskonce's own, as
-        the argument below) and redis-py's connection options (``socket_timeout``,
-        ``ssl_ca_certs``, …), which go to :meth:`redis.Redis.from_url`; any other name is a
-        :class:`~taskonce.errors.ConfigError`. Ignored when ``client`` is given.
-    :param prefix: namespace of this store's keys: a record lives at ``f"{prefix}:{key}"``.
+    :param url: ``redis://[[user]:password@]host:port/db``, ``rediss://…`` (TLS),
+        ``unix:///path/to/redis.sock?db=0``,
+        ``redis+sentinel://[[user]:password@]host:port[,host:port…]/service_name[/db]`` or
+        ``redis+cluster://[[user]:password@]host:port[,host:port…]``. Query options: ``prefix``
+        and ``min_replicas`` (taskonce's own, as the arguments below) and redis-py's connection
+        options (``socket_timeout``, ``ssl_ca_certs``, …), which go to redis-py; any other name
+        is a :class:`~taskonce.errors.ConfigError`. Ignored when ``client`` is given.
+    :param prefix: namespace of this store's keys: a record lives at ``f"{prefix}:{key}"``
+        (on a cluster at ``f"{{{prefix}/{n}}}:{key}"``, see the module's documentation).
         Non-empty, without whitespace. Default ``"taskonce"``; also ``?prefix=`` in the URL.
     :param client: an existing :class:`redis.Redis` to use instead of opening one from ``url``
         (its own timeouts and retry policy apply; :meth:`close` leaves it open).
@@ -844,7 +848,8 @@ class RedisStore(Store):
     def _open(self, url: str, socket_timeout: float) -> redis.Redis:
         if not isinstance(url, str) or "://" not in url:
             raise ConfigError(
-                f"RedisStore url {self._url!r} is not a redis://, rediss:// or unix:// URL"
+                f"RedisStore url {self._url!r} is not a redis://, rediss://, unix://, "
+                "redis+sentinel:// or redis+cluster:// URL"
             )
         scheme = url.split("://", 1)[0].lower()
         if scheme not in self.schemes:
