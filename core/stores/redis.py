@@ -1216,7 +1216,7 @@ class RedisStore(Store):
     def stats(self) -> Mapping[str, int]:
         """Counts of this prefix's records, by ``SCAN MATCH prefix:*`` (several round trips;
         for the CLI and monitoring, not hot paths). ``expired`` is always 0: Redis drops
-        expired keys itself. On a cluster client only the nodes redis-py scans are counted."""
+        expired keys itself. On a cluster, every master is scanned."""
         pattern = self._pattern()
 
         def count() -> dict[str, int]:
