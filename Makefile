@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck docs bench install clean chaos chaos-all compare
+.PHONY: demo test lint typecheck docs bench install clean chaos chaos-all compare spark-cluster
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ docs: $(STAMP)
 	for f in core/*; do ln -s ../../../$$f build/docs-src/taskonce/; done
 	for d in celery_ext dramatiq_ext spark_ext demo; do ln -s ../../../$$d build/docs-src/taskonce/$$d; done
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# The audit on a Spark standalone cluster (a master and two workers started by the test).
+spark-cluster: $(STAMP)
+	$(PY) -m pytest -q -ra -m spark_cluster tests/spark/test_standalone_cluster.py
 
 bench: $(STAMP)
 	$(PY) bench/store_ops.py

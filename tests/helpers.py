@@ -67,6 +67,9 @@ def wait_for(
 
 
 STORE_KINDS = ["memory", "redis", "postgresql", "mariadb", "sqlite"]
+# Redis as deployed (tests/redis_topologies.py), started once per session on first use: the
+# store contract runs on these too.
+REDIS_DEPLOYMENTS = ["redis-cluster", "redis-sentinel"]
 
 
 def make_store(kind: str, tmp_path: Any) -> Store:
@@ -79,6 +82,13 @@ def make_store(kind: str, tmp_path: Any) -> Store:
         return taskonce.open_store(REDIS_URL, prefix=f"t{suffix}")
     if kind == "sqlite":
         return taskonce.open_store(f"sqlite:///{tmp_path}/store-{suffix}.db")
+    if kind in REDIS_DEPLOYMENTS:
+        from tests import redis_topologies
+
+        deployment = (
+            redis_topologies.cluster if kind == "redis-cluster" else redis_topologies.sentinel
+        )
+        return taskonce.open_store(deployment().url, prefix=f"t{suffix}")
     url = POSTGRES_URL if kind == "postgresql" else MARIADB_URL
     require_service(kind)
     return taskonce.open_store(url, table=f"t_{suffix}")
@@ -88,11 +98,12 @@ def drop_store(store: Store) -> None:
     """Remove what ``make_store`` created (its Redis keys or its table)."""
     if store.__class__.__name__ == "RedisStore":
         client = store._client  # type: ignore[attr-defined]
-        prefix = store._prefix  # type: ignore[attr-defined]
-        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-        keys.append(f"{prefix}!sends")  # the hand-off's index of records with pending sends
-        if keys:
-            client.delete(*keys)
+        keys = list(client.scan_iter(match=store._pattern(), count=1000))  # type: ignore[attr-defined]
+        keys += store._indexes()  # type: ignore[attr-defined]  # the hand-off's sends indexes
+        pipe = client.pipeline()  # one DEL each: on a cluster they live in different slots
+        for name in keys:
+            pipe.delete(name)
+        pipe.execute()
     elif store.__class__.__name__ == "SQLStore":
         store._table.drop(store._engine, checkfirst=True)  # type: ignore[attr-defined]
         store._live_table.drop(store._engine, checkfirst=True)  # type: ignore[attr-defined]

@@ -5,12 +5,25 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from taskonce.errors import LeaseLost
 from taskonce.stores import ClaimOutcome, Status, Store
-from tests.helpers import wait_for
+from tests.helpers import REDIS_DEPLOYMENTS, STORE_KINDS, drop_store, make_store, wait_for
+
+
+@pytest.fixture(params=[*STORE_KINDS, *REDIS_DEPLOYMENTS])
+def store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Store]:
+    """Every store, and Redis as deployed (a cluster, a Sentinel-managed master)."""
+    s = make_store(request.param, tmp_path)
+    try:
+        yield s
+    finally:
+        drop_store(s)
+
 
 LONG = 60.0
 DAY = 86400.0
@@ -242,10 +255,8 @@ def test_describe_names_the_store(store: Store) -> None:
     assert type(store).__name__.replace("Store", "") in store.describe()
 
 
-@pytest.mark.parametrize("kind", ["redis", "postgresql", "mariadb", "sqlite"])
+@pytest.mark.parametrize("kind", ["redis", "postgresql", "mariadb", "sqlite", *REDIS_DEPLOYMENTS])
 def test_store_opened_in_parent_works_in_forked_child(kind: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from tests.helpers import drop_store, make_store
-
     store = make_store(kind, tmp_path)
     try:
         parent_key, child_key = new_key(), new_key()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,7 +15,27 @@ import sqlalchemy as sa
 import taskonce
 from taskonce.errors import LeaseLost
 from taskonce.stores import Status, Store
-from tests.helpers import MARIADB_URL, POSTGRES_URL, drop_store, require_service, wait_for
+from tests.helpers import (
+    MARIADB_URL,
+    POSTGRES_URL,
+    REDIS_DEPLOYMENTS,
+    STORE_KINDS,
+    drop_store,
+    make_store,
+    require_service,
+    wait_for,
+)
+
+
+@pytest.fixture(params=[*STORE_KINDS, *REDIS_DEPLOYMENTS])
+def store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Store]:
+    """Every store, and Redis as deployed (a cluster, a Sentinel-managed master)."""
+    s = make_store(request.param, tmp_path)
+    try:
+        yield s
+    finally:
+        drop_store(s)
+
 
 SENDS = ('{"id":"a","framework":"python","body":{"x":"été"}}', '{"id":"b"}')
 

@@ -23,6 +23,8 @@ SUPPORTED_SCHEMES = (
     "redis://",
     "rediss://",
     "unix://",
+    "redis+sentinel://",
+    "redis+cluster://",
     "sqlite:///",
     "postgresql[+driver]://",
     "mysql[+driver]://",
@@ -54,9 +56,10 @@ def redact(url: str) -> str:
 def open_store(url: str, **options: Any) -> Store:
     """Open the store a URL names.
 
-    ``memory://`` → :class:`MemoryStore`; ``redis://``, ``rediss://``, ``unix://`` →
-    :class:`~taskonce.stores.redis.RedisStore`; ``sqlite:///``, ``postgresql+psycopg://``,
-    ``mysql+pymysql://`` (any SQLAlchemy URL of those dialects) →
+    ``memory://`` → :class:`MemoryStore`; ``redis://``, ``rediss://``, ``unix://``,
+    ``redis+sentinel://``, ``redis+cluster://`` → :class:`~taskonce.stores.redis.RedisStore`;
+    ``sqlite:///``, ``postgresql+psycopg://``, ``mysql+pymysql://`` (any SQLAlchemy URL of
+    those dialects) →
     :class:`~taskonce.stores.sql.SQLStore`. ``options`` go to the store's constructor.
 
     The URL's query string takes taskonce's own options (``prefix`` for Redis, ``table`` for

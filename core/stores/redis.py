@@ -21,12 +21,24 @@ write, ms) and ``until`` (alive until, ms), kept by Redis for a while after it l
 
 Records with pending sends are also listed in one sorted set, ``f"{prefix}!sends"`` (score: when
 they were recorded), for the relay. The scripts that write sends touch it too (its name is an
-argument), so on Redis Cluster give the store a hash-tagged prefix such as ``"{taskonce}"``.
+argument), in the same atomic step as the record.
+
+On Redis Cluster (``redis+cluster://``) every key one script touches must hash to one slot, and
+the record and the sends index are touched together. One index for the whole store would put
+every record in its slot (one node doing all the work: no cluster at all), and moving the index
+writes out of the scripts would let a crash between the two writes lose a record from the relay's
+sight. So the store is cut into ``_CLUSTER_BUCKETS`` buckets, each with its own hash tag and its
+own index: a record lives at ``f"{{{prefix}/{n}}}:{key}"`` and its bucket's index at
+``f"{{{prefix}/{n}}}!sends"``, where the bucket is ``crc32(key) % _CLUSTER_BUCKETS`` and ``n``
+is picked so that the buckets' slots are spread evenly over the 16384 slots (so over the
+masters). A record and its index always move together in a resharding. The relay reads the
+buckets' indexes in one pipeline per node.
 
 Every decision is taken inside a Lua script that reads the clock with ``redis.call('TIME')``,
 so leases and retention are judged by the Redis server's clock, never by a worker's. Every
-script touches exactly the one key it is given in ``KEYS``, so the store works unchanged on
-Redis Cluster (each key hashes to its own slot) and with replicas (effects replication).
+script touches the one key it is given in ``KEYS`` and, for the hand-off, that key's sends
+index, in the same hash slot, so the store works on Redis Cluster and with replicas (effects
+replication).
 Redis deletes expired records itself, which is why :meth:`RedisStore.purge` has nothing to do.
 
 Fork safety: redis-py's ``ConnectionPool`` remembers the pid that created it and, on every
@@ -50,13 +62,16 @@ import os
 import re
 import threading
 import weakref
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 from urllib.parse import parse_qsl, urlencode
 
 import redis
+import redis.cluster
 import redis.connection
 import redis.exceptions
+import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.commands.core import Script
 from redis.retry import Retry
@@ -245,6 +260,13 @@ return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]),
 """
 )
 
+# KEYS[1] record; ARGV index, member. An operator's release: the record and its pending sends.
+_FORGET = """
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', ARGV[1], ARGV[2])
+return 1
+"""
+
 # KEYS[1] record; ARGV owner. Reply 1 deleted, 0 not owner.
 _RELEASE = (
     _PROLOGUE
@@ -412,8 +434,18 @@ class _SharedTrips:
     waits for a thread that stopped. Only the sender's own thread sees its interruption.
     """
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        wait: tuple[int, int] | None = None,
+        reads: frozenset[str] = frozenset(),
+    ) -> None:
         self._client = client
+        # ``min_replicas``: (replicas, timeout ms) for a WAIT after the writes of each round
+        # trip, on the same connection (WAIT counts that connection's writes); ``reads`` are
+        # the SHA1s of the scripts that write nothing.
+        self._wait = wait
+        self._reads = reads
         self._reset()
         _FORKED.add(self)
 
@@ -454,30 +486,61 @@ class _SharedTrips:
             raise
         return call
 
-    def _send(self, batch: list[_Call]) -> None:
-        if len(batch) == 1:
+    def _send(self, batch: list[_Call], loaded: bool = False) -> None:
+        waits = self._wait is not None and any(c.script.sha not in self._reads for c in batch)
+        if len(batch) == 1 and not waits:
             self._send_one(batch[0])
             return
         pipe = self._client.pipeline(transaction=False)
         for call in batch:
             pipe.evalsha(call.script.sha, 1, call.name, *call.args)
+        if waits:
+            assert self._wait is not None
+            pipe.wait(*self._wait)
         try:
             replies = pipe.execute(raise_on_error=False)
+            acked = replies.pop() if waits else None
+            if isinstance(acked, Exception):
+                raise acked
         except (redis.exceptions.DataError, UnicodeError):
             # An argument redis-py cannot encode fails the pipeline before anything is sent:
             # send each call alone, so only the bad one fails.
             for call in batch:
-                self._send_one(call)
+                if waits and len(batch) > 1:
+                    self._send([call])
+                else:
+                    self._send_one(call)
             return
         except Exception as exc:  # the whole round trip failed
             for call in batch:
                 call.answer(error=exc if call is batch[0] or _cannot_answer(exc) else _shared(exc))
+            return
+        if acked is not None:
+            self._answer_replicated(batch, replies, int(acked), loaded)
             return
         for call, reply in zip(batch, replies, strict=True):
             if isinstance(reply, redis.exceptions.NoScriptError):
                 self._send_one(call)  # loads the script (after a restart or SCRIPT FLUSH)
             elif isinstance(reply, BaseException):
                 call.answer(error=reply)
+            else:
+                call.answer(reply)
+
+    def _answer_replicated(
+        self, batch: list[_Call], replies: list[Any], acked: int, loaded: bool
+    ) -> None:
+        """Answer a batch sent with a WAIT: a write that fewer than ``min_replicas`` replicas
+        acknowledged is :class:`NotReplicated` (its caller gets StoreUnavailable)."""
+        assert self._wait is not None
+        wanted, timeout_ms = self._wait
+        for call, reply in zip(batch, replies, strict=True):
+            if isinstance(reply, redis.exceptions.NoScriptError) and not loaded:
+                self._client.script_load(call.script.script)  # after a restart or SCRIPT FLUSH
+                self._send([call], loaded=True)
+            elif isinstance(reply, BaseException):
+                call.answer(error=reply)
+            elif acked < wanted and call.script.sha not in self._reads:
+                call.answer(error=NotReplicated(acked, wanted, timeout_ms))
             else:
                 call.answer(reply)
 
@@ -530,6 +593,46 @@ class _SharedTrips:
             self._hand_over(call)
 
 
+class _OneTrip:
+    """What a cluster client uses instead of :class:`_SharedTrips`: every call is its own
+    EVALSHA. Sharing a round trip needs one connection that every queued script can go down;
+    on a cluster the scripts of one batch belong to different nodes, and redis-py's cluster
+    pipeline would split the batch per node and send the parts one node after another, with
+    its own retry and redirection handling for a partly failed batch (a MOVED during a
+    resharding re-sends commands, which for a claim could make it look taken by itself). The
+    cost is the system-call time that sharing saves when several threads of one process call
+    at the same moment: about a quarter of the throughput with 8 threads, nothing with one
+    (``bench/cluster_trips.py``, docs/performance.md)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def run(self, script: Script, name: str, args: Sequence[Any]) -> _Call:
+        call = _Call(script, name, args)
+        try:
+            try:
+                reply = self._client.evalsha(script.sha, 1, name, *args)
+            except redis.exceptions.NoScriptError:
+                reply = script(keys=[name], args=list(args))
+        except Exception as exc:
+            call.answer(error=exc)
+        else:
+            call.answer(reply)
+        return call
+
+
+class NotReplicated(redis.exceptions.ConnectionError):
+    """A write the master applied but fewer replicas than ``min_replicas`` acknowledged in
+    time: a failover now could lose it, so its caller is told the store did not answer."""
+
+    def __init__(self, acked: int, wanted: int, timeout_ms: int) -> None:
+        super().__init__(
+            f"written on the master but acknowledged by {acked} replica(s) within {timeout_ms} "
+            f"ms, fewer than min_replicas={wanted}; a failover could lose it (does the master "
+            f"have {wanted} connected replica(s)?)"
+        )
+
+
 def _release(call: _Call) -> None:
     if not call.released:
         call.released = True
@@ -560,6 +663,8 @@ def _reset_after_fork() -> None:
     for trips in list(_FORKED):
         trips._reset()
         _unlock_pool(trips._client)
+    for client in list(_CLUSTER_CLIENTS):
+        _unlock_cluster(client)
 
 
 def _unlock_pool(client: Any) -> None:
@@ -579,19 +684,72 @@ def _unlock_pool(client: Any) -> None:
             )
 
 
+# Cluster clients this module opened or was given, for the same treatment after a fork.
+_CLUSTER_CLIENTS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _unlock_cluster(client: Any) -> None:
+    """:func:`_unlock_pool` for a cluster client: its own lock, its node manager's two (the
+    client and the manager may share one: they keep sharing its replacement) and every node's
+    pool. redis-py's per-node pools check their pid and reconnect in the child, as a plain
+    client's do."""
+    fresh: dict[int, Any] = {}
+    manager = getattr(client, "nodes_manager", None)
+    for owner, name in ((client, "_lock"), (manager, "_lock"), (manager, "_initialization_lock")):
+        old = getattr(owner, name, None)
+        if old is None or not hasattr(old, "acquire"):
+            continue
+        if id(old) not in fresh:
+            fresh[id(old)] = (
+                threading.RLock() if "RLock" in type(old).__name__ else threading.Lock()
+            )
+        setattr(owner, name, fresh[id(old)])
+    for node in list(getattr(manager, "nodes_cache", {}).values()):
+        if node.redis_connection is not None:
+            _unlock_pool(node.redis_connection)
+
+
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-class RedisStore(Store):
-    """Claims and marks in Redis: standalone, or through ``client`` a Sentinel-managed primary.
-    Every script touches only the one key it is given, so the key layout is cluster-safe.
+# Buckets of a cluster store (see the module's docstring): enough that the records spread over
+# a few dozen masters, few enough that a relay sweep reads every bucket's index at once.
+_CLUSTER_BUCKETS = 64
+_SLOTS = 16384
 
-    :param url: ``redis://[[user]:password@]host:port/db``, ``rediss://…`` (TLS) or
-        ``unix:///path/to/redis.sock?db=0``. Query options: ``prefix`` (taskonce's own, as
-        the argument below) and redis-py's connection options (``socket_timeout``,
-        ``ssl_ca_certs``, …), which go to :meth:`redis.Redis.from_url`; any other name is a
-        :class:`~taskonce.errors.ConfigError`. Ignored when ``client`` is given.
-    :param prefix: namespace of this store's keys: a record lives at ``f"{prefix}:{key}"``.
+
+@functools.cache
+def _bucket_tags(prefix: str) -> tuple[str, ...]:
+    """The hash tag of each bucket: ``f"{prefix}/{n}"`` with the first ``n`` whose slot lies in
+    the bucket's share of the slot range, so the buckets are spread evenly over the masters
+    (``redis-cli --cluster create`` gives each master one contiguous range)."""
+    from redis.crc import key_slot
+
+    tags = []
+    n = 0
+    for bucket in range(_CLUSTER_BUCKETS):
+        low, high = bucket * _SLOTS // _CLUSTER_BUCKETS, (bucket + 1) * _SLOTS // _CLUSTER_BUCKETS
+        n = 0
+        while not low <= key_slot(f"{prefix}/{n}".encode()) < high:
+            n += 1
+        tags.append(f"{prefix}/{n}")
+    return tuple(tags)
+
+
+class RedisStore(Store):
+    """Claims and marks in Redis: one server, a Sentinel-managed master or a Redis Cluster.
+    Every script touches one record and, for the hand-off, its sends index in the same hash
+    slot, so the scripts run on a cluster.
+
+    :param url: ``redis://[[user]:password@]host:port/db``, ``rediss://…`` (TLS),
+        ``unix:///path/to/redis.sock?db=0``,
+        ``redis+sentinel://[[user]:password@]host:port[,host:port…]/service_name[/db]`` or
+        ``redis+cluster://[[user]:password@]host:port[,host:port…]``. Query options: ``prefix``
+        and ``min_replicas`` (taskonce's own, as the arguments below) and redis-py's connection
+        options (``socket_timeout``, ``ssl_ca_certs``, …), which go to redis-py; any other name
+        is a :class:`~taskonce.errors.ConfigError`. Ignored when ``client`` is given.
+    :param prefix: namespace of this store's keys: a record lives at ``f"{prefix}:{key}"``
+        (on a cluster at ``f"{{{prefix}/{n}}}:{key}"``, see the module's documentation).
         Non-empty, without whitespace. Default ``"taskonce"``; also ``?prefix=`` in the URL.
     :param client: an existing :class:`redis.Redis` to use instead of opening one from ``url``
         (its own timeouts and retry policy apply; :meth:`close` leaves it open).
@@ -599,13 +757,18 @@ class RedisStore(Store):
         fails with :class:`~taskonce.errors.StoreUnavailable`. Default 5. A call queued behind
         another thread's round trip waits for that one first, so it can take up to about
         twice as long to fail.
+    :param min_replicas: after each write, wait (Redis ``WAIT``, up to half of
+        ``socket_timeout``) until this many replicas have it; a write fewer replicas
+        acknowledged raises :class:`~taskonce.errors.StoreUnavailable` (the master has it; a
+        failover could lose it). Default 0: off. Also ``?min_replicas=`` in the URL. Not on
+        Redis Cluster.
 
     The client this store opens retries a command once, at once, after a connection error (a
     pooled connection that a Redis restart closed) but never after a timeout: a command that
     timed out may have run, and running a claim twice would make it look taken.
     """
 
-    schemes = ("redis", "rediss", "unix")
+    schemes = ("redis", "rediss", "unix", "redis+cluster", "redis+sentinel")
 
     def __init__(
         self,
@@ -614,10 +777,11 @@ class RedisStore(Store):
         prefix: str | None = None,
         client: redis.Redis | None = None,
         socket_timeout: float = 5.0,
+        min_replicas: int | None = None,
     ) -> None:
-        url_prefix = None
+        url_prefix = url_replicas = None
         if client is None and isinstance(url, str):
-            url, url_prefix = _take_prefix(url)
+            url, url_prefix, url_replicas = _take_own_options(url)
         prefix = own_value("RedisStore", "prefix", url_prefix, prefix, "taskonce")
         if not isinstance(prefix, str) or not prefix or any(c.isspace() for c in prefix):
             raise ConfigError(
@@ -633,6 +797,7 @@ class RedisStore(Store):
                 f"RedisStore socket_timeout must be a positive number of seconds, "
                 f"got {socket_timeout!r}"
             )
+        replicas = _replicas(url_replicas, min_replicas)
         self._prefix = prefix
         self._owns_client = client is None
         if client is None:
@@ -655,14 +820,36 @@ class RedisStore(Store):
         self._take_sends = self._client.register_script(_TAKE_SENDS)
         self._dispatched_script = self._client.register_script(_PROLOGUE + _DISPATCHED)
         self._pending = self._client.register_script(_PENDING)
+        self._forget = self._client.register_script(_FORGET)
+        self._cluster = isinstance(self._client, redis.cluster.RedisCluster)
         self._index = f"{prefix}!sends"
-        self._trips = _SharedTrips(self._client)
+        self._tags: tuple[str, ...] = ()
+        self._trips: _SharedTrips | _OneTrip
+        if self._cluster:
+            if "{" in prefix or "}" in prefix:
+                raise ConfigError(
+                    f"RedisStore prefix {prefix!r}: on Redis Cluster the store adds its own hash "
+                    "tags to the prefix; give it without braces"
+                )
+            if replicas:
+                raise ConfigError(
+                    "RedisStore min_replicas is not available on Redis Cluster (a WAIT would "
+                    "have to follow each write on its own node's connection)"
+                )
+            self._tags = _bucket_tags(prefix)
+            self._trips = _OneTrip(self._client)
+            _CLUSTER_CLIENTS.add(self._client)
+        else:
+            wait = (replicas, max(1, round(socket_timeout * 500))) if replicas else None
+            reads = frozenset(script.sha for script in (self._get, self._seen, self._pending))
+            self._trips = _SharedTrips(self._client, wait, reads)
         logger.debug("opened %s", self.describe())
 
     def _open(self, url: str, socket_timeout: float) -> redis.Redis:
         if not isinstance(url, str) or "://" not in url:
             raise ConfigError(
-                f"RedisStore url {self._url!r} is not a redis://, rediss:// or unix:// URL"
+                f"RedisStore url {self._url!r} is not a redis://, rediss://, unix://, "
+                "redis+sentinel:// or redis+cluster:// URL"
             )
         scheme = url.split("://", 1)[0].lower()
         if scheme not in self.schemes:
@@ -671,17 +858,92 @@ class RedisStore(Store):
                 f"{', '.join(s + '://' for s in self.schemes)}"
             )
         try:
+            if scheme == "redis+cluster":
+                # RedisCluster has the same command methods the store calls (not a subclass).
+                return cast(redis.Redis, self._open_cluster(url, socket_timeout))
+            if scheme == "redis+sentinel":
+                return self._open_sentinel(url, socket_timeout)
             return redis.Redis.from_url(
                 url,
                 socket_timeout=socket_timeout,
                 socket_connect_timeout=socket_timeout,
                 retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
             )
+        except ConfigError:
+            raise
         except (ValueError, TypeError) as exc:
             # redis-py's messages can quote the URL's query string; name only the redacted URL.
             raise ConfigError(
                 f"RedisStore url {self._url!r} is invalid ({type(exc).__name__})"
             ) from None
+
+    def _open_cluster(self, url: str, socket_timeout: float) -> Any:
+        """A :class:`redis.cluster.RedisCluster` for ``redis+cluster://[auth@]host:port,…``.
+
+        redis-py retries a cluster command after a connection error *or a timeout* by default;
+        a claim that timed out may have run, and running it again would make the key look taken
+        (by the same delivery), so the client this store opens never retries: the call fails
+        with StoreUnavailable and the message comes back (``fail_closed``). Redirections after
+        a resharding (MOVED/ASK) are followed all the same."""
+        auth, hosts, path, query = _split_multi_host(url, self._url)
+        if path not in ("", "/", "/0"):
+            raise ConfigError(
+                f"RedisStore url {self._url!r}: a Redis Cluster has only database 0; "
+                f"the URL names {path!r}"
+            )
+        kwargs: dict[str, Any] = {
+            "socket_timeout": socket_timeout,
+            "socket_connect_timeout": socket_timeout,
+        }
+        kwargs.update(_url_kwargs(auth, "0", query))  # the URL's own timeouts win, as from_url
+        kwargs.pop("db", None)
+        nodes = [
+            redis.cluster.ClusterNode(host, port)  # type: ignore[no-untyped-call]
+            for host, port in hosts
+        ]
+        try:
+            return redis.cluster.RedisCluster(
+                startup_nodes=nodes, retry=Retry(NoBackoff(), 0), **kwargs
+            )
+        except redis.exceptions.RedisClusterException as exc:
+            # Opening a cluster client asks the nodes for the slot map: none answered.
+            raise StoreUnavailable(
+                f"Redis store {self._url} did not answer: none of the cluster nodes "
+                f"{', '.join(f'{h}:{p}' for h, p in hosts)} could be reached ({exc})"
+            ) from None
+        except _UNAVAILABLE as exc:
+            raise StoreUnavailable(
+                f"Redis store {self._url} did not answer: {type(exc).__name__}: {exc}"
+            ) from None
+
+    def _open_sentinel(self, url: str, socket_timeout: float) -> redis.Redis:
+        """The master of ``redis+sentinel://[auth@]host:port,…/service_name[/db]`` through
+        :class:`redis.sentinel.Sentinel`. The password (if any) is the master's and replicas';
+        the sentinels are asked without one. Every new connection asks the sentinels where the
+        master is, so after a failover the store reaches the promoted replica; a call in flight
+        when the master died fails with StoreUnavailable (nothing is retried: it may have run)."""
+        auth, hosts, path, query = _split_multi_host(url, self._url)
+        parts = [part for part in path.split("/") if part]
+        if not parts or len(parts) > 2:
+            raise ConfigError(
+                f"RedisStore url {self._url!r}: a Sentinel URL names the service after the "
+                "hosts: redis+sentinel://host:port[,host:port…]/service_name[/db]"
+            )
+        service, db = parts[0], (parts[1] if len(parts) > 1 else "0")
+        if not db.isdigit():
+            raise ConfigError(
+                f"RedisStore url {self._url!r}: the database after the service name must be "
+                f"a number, got {db!r}"
+            )
+        timeouts = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout}
+        kwargs: dict[str, Any] = {**timeouts, **_url_kwargs(auth, db, query)}
+        sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            hosts, sentinel_kwargs=timeouts, **timeouts
+        )
+        client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+            service, retry=Retry(NoBackoff(), 0), **kwargs
+        )
+        return client
 
     @staticmethod
     def _describe_client(client: redis.Redis) -> str:
@@ -699,8 +961,37 @@ class RedisStore(Store):
 
     # -- plumbing ------------------------------------------------------------------------------
 
+    def _tag(self, key: str) -> str:
+        return self._tags[zlib.crc32(key.encode("utf-8")) % _CLUSTER_BUCKETS]
+
     def _key(self, key: str) -> str:
+        if self._cluster:
+            return f"{{{self._tag(key)}}}:{key}"
         return f"{self._prefix}:{key}"
+
+    def _index_of(self, key: str) -> str:
+        """The sends index of ``key``'s record: in the same hash slot on a cluster."""
+        if self._cluster:
+            return f"{{{self._tag(key)}}}!sends"
+        return self._index
+
+    def _indexes(self) -> list[str]:
+        if self._cluster:
+            return [f"{{{tag}}}!sends" for tag in self._tags]
+        return [self._index]
+
+    def _pattern(self, key_prefix: str = "") -> str:
+        """The SCAN pattern of this store's records whose key starts with ``key_prefix``."""
+        escaped = _GLOB_SPECIAL.sub(r"\\\1", key_prefix)
+        if self._cluster:
+            return "{" + _GLOB_SPECIAL.sub(r"\\\1", self._prefix) + "/*}:" + escaped + "*"
+        return _GLOB_SPECIAL.sub(r"\\\1", self._prefix) + ":" + escaped + "*"
+
+    def _key_of(self, name: str) -> str:
+        """The key of a record's Redis name (the inverse of :meth:`_key`)."""
+        if self._cluster:
+            return name.partition("}:")[2]
+        return name[len(self._prefix) + 1 :]
 
     @staticmethod
     def _live_key(worker: str) -> str:
@@ -820,21 +1111,14 @@ class RedisStore(Store):
         script = self._complete
         if sends:
             script = self._complete_sends
-            args = (*args, self._index, json.dumps(list(sends)), key, _ms(dispatch_lease))
+            args = (*args, self._index_of(key), json.dumps(list(sends)), key, _ms(dispatch_lease))
         if not int(self._run("complete", script, key, args)):
             raise LeaseLost(key, "complete")
 
     def release(self, key: str, owner: str | None) -> None:
         """Delete ``owner``'s claim (fenced), or with ``owner=None`` whatever is recorded."""
-        if owner is None:
-
-            def delete() -> None:
-                pipe = self._client.pipeline(transaction=True)
-                pipe.delete(self._key(key))
-                pipe.zrem(self._index, key)  # its pending sends go with it
-                pipe.execute()
-
-            self._call("release", key, delete)
+        if owner is None:  # its pending sends go with it
+            self._run("release", self._forget, key, (self._index_of(key), key))
             return
         if not int(self._run("release", self._release, key, (owner,))):
             raise LeaseLost(key, "release")
@@ -861,12 +1145,19 @@ class RedisStore(Store):
         script = self._mark
         if sends:
             script = self._mark_sends
-            args = (*args, self._index, json.dumps(list(sends)), key, token, _ms(dispatch_lease))
+            args = (
+                *args,
+                self._index_of(key),
+                json.dumps(list(sends)),
+                key,
+                token,
+                _ms(dispatch_lease),
+            )
         return bool(int(self._run("mark", script, key, args)))
 
     def take_sends(self, key: str, token: str, lease: float, older_than: float = 0.0) -> SendLease:
         """Take the dispatch lease of ``key``'s pending sends (one script, Redis clock)."""
-        args = (token, _ms(lease), round(older_than * 1000), self._index, key)
+        args = (token, _ms(lease), round(older_than * 1000), self._index_of(key), key)
         reply = self._run("take_sends", self._take_sends, key, args)
         if isinstance(reply, list):
             return SendLease(retry_after=int(reply[0]) / 1000.0)
@@ -876,17 +1167,40 @@ class RedisStore(Store):
     def dispatched(self, key: str, token: str) -> bool:
         """Clear ``key``'s pending sends if ``token`` still holds them (one script)."""
         return bool(
-            int(self._run("dispatched", self._dispatched_script, key, (token, self._index, key)))
+            int(
+                self._run(
+                    "dispatched", self._dispatched_script, key, (token, self._index_of(key), key)
+                )
+            )
         )
 
     def pending_sends(self, older_than: float = 0.0, limit: int = 100) -> list[str]:
         """Keys with sends pending for at least ``older_than`` s, from the index (one script)."""
+        if self._cluster:
+            return self._call(
+                "pending_sends", None, lambda: self._pending_in_buckets(older_than, limit)
+            )
         call = self._trips.run(self._pending, self._index, (round(older_than * 1000), limit))
         if call.error is not None:
             if _cannot_answer(call.error):
                 self._unavailable("pending_sends", None, call.error)
             raise call.error
         return [_text(name) or "" for name in call.reply]
+
+    def _pending_in_buckets(self, older_than: float, limit: int) -> list[str]:
+        """Every bucket's oldest ``limit``, in one pipeline (one round trip per node), merged.
+        redis-py refuses scripts in a cluster pipeline, so the cut-off is taken from one node's
+        clock first (``TIME``), then each index is read with a plain ``ZRANGEBYSCORE``; the
+        relay's minimum age is a coarse filter, which the masters' synchronised clocks keep."""
+        seconds, micros = self._client.time()
+        cutoff = int(seconds) * 1000 + int(micros) // 1000 - round(older_than * 1000)
+        pipe = self._client.pipeline()
+        for index in self._indexes():
+            pipe.zrangebyscore(index, "-inf", cutoff, start=0, num=limit, withscores=True)
+        found: list[tuple[float, str]] = []
+        for reply in pipe.execute():
+            found += [(float(score), _text(name) or "") for name, score in reply]
+        return [name for _, name in sorted(found)[:limit]]
 
     def get(self, key: str) -> Record | None:
         """The live record of ``key`` with ``lease_remaining`` by the Redis clock, or None."""
@@ -902,8 +1216,8 @@ class RedisStore(Store):
     def stats(self) -> Mapping[str, int]:
         """Counts of this prefix's records, by ``SCAN MATCH prefix:*`` (several round trips;
         for the CLI and monitoring, not hot paths). ``expired`` is always 0: Redis drops
-        expired keys itself. On a cluster client only the nodes redis-py scans are counted."""
-        pattern = _GLOB_SPECIAL.sub(r"\\\1", self._prefix) + ":*"
+        expired keys itself. On a cluster, every master is scanned."""
+        pattern = self._pattern()
 
         def count() -> dict[str, int]:
             counts = {"in_progress": 0, "completed": 0}
@@ -919,10 +1233,16 @@ class RedisStore(Store):
                 "in_progress": counts["in_progress"],
                 "completed": counts["completed"],
                 "expired": 0,
-                "sends_pending": int(self._client.zcard(self._index)),
+                "sends_pending": self._sends_pending(),
             }
 
         return self._call("stats", None, count)
+
+    def _sends_pending(self) -> int:
+        pipe = self._client.pipeline()
+        for index in self._indexes():
+            pipe.zcard(index)
+        return sum(int(n) for n in pipe.execute())
 
     def _count_batch(self, names: list[Any], counts: dict[str, int]) -> None:
         if not names:
@@ -941,9 +1261,9 @@ class RedisStore(Store):
 
     def records(self, key_prefix: str = "") -> Iterator[Record]:
         """The live records of this prefix whose key starts with ``key_prefix``: ``SCAN MATCH``
-        and one pipelined ``HMGET`` per batch of 1000 keys, judged by the Redis clock."""
-        pattern = _GLOB_SPECIAL.sub(r"\\\1", f"{self._prefix}:{key_prefix}") + "*"
-        skip = len(self._prefix) + 1
+        (every master, on a cluster) and one pipelined ``HMGET`` per batch of 1000 keys, judged
+        by the Redis clock."""
+        pattern = self._pattern(key_prefix)
         fields = ("st", "ow", "fp", "rs", "ca", "lu", "ex")
 
         def batches() -> Iterator[list[Record]]:
@@ -951,21 +1271,29 @@ class RedisStore(Store):
             for name in self._client.scan_iter(match=pattern, count=1000):
                 names.append(name)
                 if len(names) >= 1000:
-                    yield self._records_of(names, fields, skip)
+                    yield self._records_of(names, fields, key_prefix)
                     names = []
-            yield self._records_of(names, fields, skip)
+            yield self._records_of(names, fields, key_prefix)
 
         found = self._call("records", None, lambda: [r for b in batches() for r in b])
         return iter(found)
 
-    def _records_of(self, names: list[Any], fields: tuple[str, ...], skip: int) -> list[Record]:
+    def _records_of(
+        self, names: list[Any], fields: tuple[str, ...], key_prefix: str
+    ) -> list[Record]:
         if not names:
             return []
         pipe = self._client.pipeline(transaction=False)
-        pipe.time()
+        if self._cluster:
+            # A keyless command has no node in a cluster pipeline: the clock is read first.
+            seconds, micros = self._client.time()
+        else:
+            pipe.time()
         for name in names:
             pipe.hmget(name, fields)
-        (seconds, micros), *replies = pipe.execute(raise_on_error=False)
+        replies = pipe.execute(raise_on_error=False)
+        if not self._cluster:
+            (seconds, micros), *replies = replies
         now = int(seconds) * 1000 + int(micros) // 1000
         found = []
         for name, values in zip(names, replies, strict=True):
@@ -973,7 +1301,9 @@ class RedisStore(Store):
                 continue  # gone meanwhile, or a foreign key under our prefix
             if int(_text(values[6]) or 0) <= now:
                 continue
-            found.append(self._record(_text(name)[skip:], [now, *values]))  # type: ignore[index]
+            key = self._key_of(_text(name) or "")
+            if key.startswith(key_prefix):
+                found.append(self._record(key, [now, *values]))
         return found
 
     def close(self) -> None:
@@ -1047,14 +1377,58 @@ def _driver_options(scheme: str) -> frozenset[str]:
 _PLAIN = _driver_options("redis")
 
 
-def _take_prefix(url: str) -> tuple[str, str | None]:
-    """``url`` without its ``prefix`` query option, and that option's value; ConfigError for a
-    query option that neither taskonce nor redis-py takes. URLs of other schemes are returned
-    unchanged (``RedisStore._open`` refuses them)."""
+def _split_multi_host(url: str, safe: str) -> tuple[str, list[tuple[str, int]], str, str]:
+    """``scheme://[auth@]host:port[,host:port…]/path?query`` as (auth, hosts, path, query);
+    ConfigError for a host without a port number or none at all."""
+    rest = url.split("://", 1)[1]
+    rest, _, query = rest.partition("?")
+    query = query.partition("#")[0]
+    netloc, slash, path = rest.partition("/")
+    auth, at, hostlist = netloc.rpartition("@")
+    hosts: list[tuple[str, int]] = []
+    for item in hostlist.split(","):
+        host, colon, port = item.strip().rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"RedisStore url {safe!r}: {item.strip()!r} is not host:port (list the nodes "
+                "as host:port,host:port…)"
+            )
+        hosts.append((host.strip("[]"), int(port)))
+    return (auth if at else ""), hosts, slash + path, query
+
+
+def _url_kwargs(auth: str, db: str, query: str) -> dict[str, Any]:
+    """redis-py's connection keywords for a URL's user-info, database and query options,
+    typed the way ``Redis.from_url`` types them (without host and port)."""
+    text = f"redis://{auth + '@' if auth else ''}localhost/{db}{'?' + query if query else ''}"
+    kwargs: dict[str, Any] = redis.connection.parse_url(text)  # type: ignore[no-untyped-call]
+    kwargs.pop("host", None)
+    kwargs.pop("port", None)
+    return kwargs
+
+
+def _replicas(from_url: str | None, given: int | None) -> int:
+    """The ``min_replicas`` option (URL or argument, not two different values), checked."""
+    text = own_value(
+        "RedisStore", "min_replicas", from_url, None if given is None else str(given), "0"
+    )
+    if isinstance(given, bool) or not text.isdigit():
+        raise ConfigError(
+            f"RedisStore min_replicas must be a whole number of replicas (0: off), got {text!r}"
+        )
+    return int(text)
+
+
+def _take_own_options(url: str) -> tuple[str, str | None, str | None]:
+    """``url`` without its ``prefix`` and ``min_replicas`` query options, and their values;
+    ConfigError for a query option that neither taskonce nor redis-py takes. URLs of other
+    schemes are returned unchanged (``RedisStore._open`` refuses them)."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     head, mark, tail = url.partition("?")
+    if scheme in ("redis+cluster", "redis+sentinel"):
+        scheme = "redis"  # options of each node's plain connection
     if scheme not in _CONNECTION_CLASSES or not mark:
-        return url, None
+        return url, None, None
     query, hash_mark, fragment = tail.partition("#")
     safe = _safe_url(url)
     pairs = parse_qsl(query, keep_blank_values=True)
@@ -1070,13 +1444,14 @@ def _take_prefix(url: str) -> tuple[str, str | None]:
         "RedisStore",
         safe,
         values,
-        own=("prefix",),
+        own=("prefix", "min_replicas"),
         driver=f"redis-py ({scheme}://)",
         accepted=_driver_options(scheme),
     )
     prefix = values.pop("prefix", None)
+    replicas = values.pop("min_replicas", None)
     rest = f"?{urlencode(list(values.items()))}" if values else ""
-    return f"{head}{rest}{hash_mark}{fragment}", prefix
+    return f"{head}{rest}{hash_mark}{fragment}", prefix, replicas
 
 
-__all__ = ["RedisStore"]
+__all__ = ["NotReplicated", "RedisStore"]
