@@ -19,7 +19,7 @@ from taskonce import handoff
 from taskonce.guard import OutboxRow
 from taskonce.handoff import Send
 from taskonce.stores.sql import SQLStore
-from tests.helpers import drop_store, make_store
+from tests.helpers import drop_store, make_store, wait_for
 
 FRAMEWORK = "python"
 
@@ -446,7 +446,6 @@ def test_1000_requests_from_8_threads_sent_equals_committed(tmp_path: Any) -> No
         for thread in threads:
             thread.join()
         assert errors == []
-        from tests.helpers import wait_for
 
         def relayed() -> bool:
             guard.relay(older_than=0, batch=500)
