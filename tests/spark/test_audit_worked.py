@@ -23,6 +23,7 @@ DESIGN_TOP = [
     "tasks",
     "what_if",
     "handoff",
+    "producer",
 ]
 DESIGN_METRICS = list(worked.metrics())
 

@@ -74,6 +74,17 @@ def test_gzip_glob_and_parquet_through_the_cli(
     assert spark.conf.get("spark.sql.shuffle.partitions") == "2"  # restored afterwards
 
 
+NO_SENDS = {
+    "records_deferred": 0,
+    "records_dispatched": 0,
+    "stranded": 0,
+    "discarded": 0,
+    "dispatch_lag_p50_s": 0.0,
+    "dispatch_lag_p99_s": 0.0,
+    "dispatch_lag_max_s": 0.0,
+}
+
+
 def test_empty_log(spark: Any, tmp_path: Path) -> None:
     log = tmp_path / "empty.jsonl"
     log.write_text("")
@@ -86,15 +97,8 @@ def test_empty_log(spark: Any, tmp_path: Path) -> None:
         "queues": {},
         "tasks": {},
         "what_if": [{"keep_for_s": 300, "suppressed": 0, "leaked": 0, "store_keys": 0}],
-        "handoff": {
-            "records_deferred": 0,
-            "records_dispatched": 0,
-            "stranded": 0,
-            "discarded": 0,
-            "dispatch_lag_p50_s": 0.0,
-            "dispatch_lag_p99_s": 0.0,
-            "dispatch_lag_max_s": 0.0,
-        },
+        "handoff": NO_SENDS,
+        "producer": NO_SENDS,
     }
     assert result.problems() == []
 
