@@ -20,7 +20,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	.ci/services
 	$(MAKE) lint typecheck docs
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
