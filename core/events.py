@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 logger = logging.getLogger("taskonce.events")
 
@@ -122,6 +122,44 @@ def log_level(name: str) -> int:
     if name in _INFO_EVENTS:
         return logging.INFO
     return logging.DEBUG
+
+
+L = TypeVar("L")
+
+
+class HeldClaims(Generic[L]):
+    """The claims this process holds, by key, with the labels each was counted under: what a
+    metrics sink's "claims in progress" gauge needs so that it goes up once per claim and down
+    once, under the same labels, however the events repeat. A forked child holds none."""
+
+    STARTS = frozenset({"claimed", "lease_taken_over"})
+    ENDS = frozenset({"completed", "released", "lease_lost", "store_error", "marked"})
+
+    def __init__(self) -> None:
+        self._after_fork()
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        # The parent's lock may have been held at the fork.
+        self._lock = threading.Lock()
+        self._held: dict[Any, L] = {}
+
+    def change(self, name: str, key: Any, labels: L) -> tuple[int, L] | None:
+        """How event ``name`` of ``key`` moves the gauge: ``(+1, labels)``, ``(-1, the labels
+        the claim was counted under)``, or None."""
+        if key is None:
+            return None
+        if name in self.STARTS:
+            with self._lock:
+                if key in self._held:
+                    return None
+                self._held[key] = labels
+            return 1, labels
+        if name in self.ENDS:
+            with self._lock:
+                held = self._held.pop(key, None)
+            return None if held is None else (-1, held)
+        return None
 
 
 class LoggingEvents:

@@ -7,12 +7,11 @@ or Dramatiq's instrumentation opened for the message — and counted as OTel met
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 from taskonce.errors import ConfigError
+from taskonce.events import HeldClaims
 
 #: Span attributes set from each event (the latest event wins), named ``taskonce.<field>``.
 SPAN_FIELDS = ("key", "queue", "message_id", "task", "framework", "mode", "attempt")
@@ -29,9 +28,6 @@ DECISIONS = {
     "in_progress_deferred": "defer",
     "payload_mismatch": "refuse",
 }
-
-_STARTS_CLAIM = frozenset({"claimed", "lease_taken_over"})
-_ENDS_CLAIM = frozenset({"completed", "released", "lease_lost", "store_error", "marked"})
 
 
 def _api() -> tuple[Any, Any]:
@@ -78,14 +74,7 @@ class OpenTelemetryEvents:
         self._claims = meter.create_up_down_counter(
             "taskonce.claims.in_progress", unit="{claim}", description="Eager claims held"
         )
-        self._held: dict[str, dict[str, str]] = {}
-        self._lock = threading.Lock()
-        os.register_at_fork(after_in_child=self._after_fork)
-
-    def _after_fork(self) -> None:
-        # A forked child holds none of its parent's claims, and the lock may have been held.
-        self._lock = threading.Lock()
-        self._held = {}
+        self._held: HeldClaims[dict[str, str]] = HeldClaims()
 
     def emit(self, event: Mapping[str, Any]) -> None:
         name = str(event["event"])
@@ -101,7 +90,9 @@ class OpenTelemetryEvents:
         duration_ms = event.get("duration_ms")
         if duration_ms is not None:
             self._duration.record(duration_ms / 1000.0, {"outcome": name, **labels})
-        self._track_claim(name, event.get("key"), labels)
+        change = self._held.change(name, event.get("key"), labels)
+        if change is not None:
+            self._claims.add(*change)
         span = self._trace.get_current_span()
         if not span.is_recording():
             return
@@ -115,18 +106,3 @@ class OpenTelemetryEvents:
         span.set_attributes(attributes)
         details = {f: event[f] for f in EVENT_FIELDS if event.get(f) is not None}
         span.add_event(f"taskonce.{name}", details)
-
-    def _track_claim(self, name: str, key: Any, labels: dict[str, str]) -> None:
-        if key is None:
-            return
-        if name in _STARTS_CLAIM:
-            with self._lock:
-                if key in self._held:
-                    return
-                self._held[key] = labels
-            self._claims.add(1, labels)
-        elif name in _ENDS_CLAIM:
-            with self._lock:
-                held = self._held.pop(key, None)
-            if held is not None:
-                self._claims.add(-1, held)

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from taskonce.errors import ConfigError
+from taskonce.events import HeldClaims
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -57,8 +58,6 @@ STORE_OPERATIONS = (
 #: Store calls take from a fraction of a millisecond (one Redis script) to seconds (a timeout).
 STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
-_STARTS_CLAIM = frozenset({"claimed", "lease_taken_over"})
-_ENDS_CLAIM = frozenset({"completed", "released", "lease_lost", "store_error", "marked"})
 _SENDS = {
     "sends_deferred": "deferred",
     "sends_dispatched": "dispatched",
@@ -152,14 +151,7 @@ class PrometheusEvents:
             if metrics is None:
                 metrics = _registered[target] = _Metrics(target)
         self._metrics = metrics
-        self._held: dict[str, tuple[str, str, str]] = {}
-        self._lock = threading.Lock()
-        os.register_at_fork(after_in_child=self._after_fork)
-
-    def _after_fork(self) -> None:
-        # A forked child holds none of its parent's claims, and the lock may have been held.
-        self._lock = threading.Lock()
-        self._held = {}
+        self._held: HeldClaims[tuple[str, str, str]] = HeldClaims()
 
     def time_store(self, store: Store) -> Store:
         """Time ``store``'s calls into ``taskonce_store_call_duration_seconds{operation,store}``
@@ -195,20 +187,9 @@ class PrometheusEvents:
         recovery_s = event.get("recovery_s")
         if name == "lease_taken_over" and recovery_s is not None:
             metrics.recovery.labels(labels[0], str(event.get("reason") or "")).observe(recovery_s)
-        key = event.get("key")
-        if key is None:
-            return
-        if name in _STARTS_CLAIM:
-            with self._lock:
-                if key in self._held:
-                    return
-                self._held[key] = labels
-            metrics.claims.labels(*labels).inc()
-        elif name in _ENDS_CLAIM:
-            with self._lock:
-                held = self._held.pop(key, None)
-            if held is not None:
-                metrics.claims.labels(*held).dec()
+        change = self._held.change(name, event.get("key"), labels)
+        if change is not None:
+            metrics.claims.labels(*change[1]).inc(change[0])
 
 
 def _timed(method: Any, histogram: Any) -> Any:
