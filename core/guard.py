@@ -286,10 +286,10 @@ class Guard:
                     continue  # rolled back with its savepoint
             except StoreUnavailable:
                 logger.warning("could not read outbox record %s back; the relay will", row.key)
-                self._let_go(rows[index + 1 :])
+                self._let_go((row.key, row.token) for row in rows[index + 1 :])
                 break
             if not self._dispatch(row.key, row.token, (row.text,), None):
-                self._let_go(rows[index + 1 :])
+                self._let_go((row.key, row.token) for row in rows[index + 1 :])
                 break
             published += 1
             self._outbox_event("sends_dispatched", row.key, (row.text,))
@@ -300,11 +300,12 @@ class Guard:
         for row in rows:
             self._outbox_event("sends_discarded", row.key, (row.text,))
 
-    def _let_go(self, rows: Sequence[OutboxRow]) -> None:
-        """Release the dispatch leases of ``rows`` (not published): the relay may take them."""
-        for row in rows:
+    def _let_go(self, leases: Iterable[tuple[str, str]]) -> None:
+        """Release these ``(key, token)`` dispatch leases of sends not published, so that the
+        next dispatcher (a redelivery, the relay) may take them at once."""
+        for key, token in leases:
             try:
-                self.store.take_sends(row.key, row.token, 0.0)
+                self.store.take_sends(key, token, 0.0)
             except StoreUnavailable:
                 return  # their leases run out instead
 
@@ -411,10 +412,7 @@ class Guard:
         when a publish failed or the mark was refused: they stay pending for a redelivery or
         the relay (the children's ids are fixed, so their guard drops a second copy)."""
         if not self._publish_all(key, texts):
-            try:  # let the next dispatcher try at once rather than when this lease runs out
-                self.store.take_sends(key, token, 0.0)
-            except StoreUnavailable:
-                pass
+            self._let_go(((key, token),))
             return False
         try:
             return self.store.dispatched(key, token)
