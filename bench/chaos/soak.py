@@ -909,7 +909,8 @@ def parse(argv: list[str] | None = None) -> Options:
         messages=args.messages,
         seconds=args.seconds,
         drain_timeout=args.drain_timeout,
-        out=args.out,
+        # absolute: redis-server changes into its --dir before it opens its --logfile
+        out=args.out.resolve(),
         faults=faults,
         seed=args.seed,
         body=args.body,
