@@ -309,7 +309,9 @@ def render(
     ]
     verdicts = []
     for framework, size in dict.fromkeys((f, s) for f, s, _ in results):
-        rows = {v: results[(framework, size, v)] for v in VARIANTS if (framework, size, v) in results}
+        rows = {
+            v: results[(framework, size, v)] for v in VARIANTS if (framework, size, v) in results
+        }
         med = {
             v: {
                 field: statistics.median(getattr(r, field) for r in rs)
@@ -318,7 +320,9 @@ def render(
             for v, rs in rows.items()
         }
         base = med["plain"]
-        label = f"{size} thread{'s' if size > 1 else ''}" if framework == "Dramatiq" else f"-c {size}"
+        label = (
+            f"{size} thread{'s' if size > 1 else ''}" if framework == "Dramatiq" else f"-c {size}"
+        )
         for variant, m in med.items():
             above = "—" if variant == "plain" else f"{m['cpu_us'] - base['cpu_us']:+,.0f}"
             lines.append(
@@ -407,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                     worker.round(variant, meter, 200)
             for round_no in range(args.rounds):
                 order = VARIANTS if round_no % 2 == 0 else tuple(reversed(VARIANTS))
-                for pool, worker in zip(pools, workers):
+                for pool, worker in zip(pools, workers, strict=True):
                     for variant in order:
                         record("Celery", pool, variant, worker.round(variant, meter, args.messages))
     finally:
