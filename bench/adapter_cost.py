@@ -16,7 +16,7 @@ guard``. Rounds interleaved; CPU is ``time.process_time``. ``--store memory://``
 store's round trips out (the Python alone); ``--profile`` prints a cProfile of each adapter.
 
     .venv/bin/python bench/adapter_cost.py [--messages 3000] [--rounds 5]
-        [--store memory://|redis://127.0.0.1:6379/15] [--profile]
+        [--store memory://|redis://127.0.0.1:6379/15] [--profile] [--write-docs]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import argparse
 import cProfile
 import io
 import os
+import platform
 import pstats
 import shlex
 import statistics
@@ -36,10 +37,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+HEADING = "## Adapters' own CPU per message"
 
 import dramatiq  # noqa: E402
 from celery import Celery  # noqa: E402
 from celery.app.trace import build_tracer  # noqa: E402
+from docs_section import DOC, write_section  # noqa: E402  (bench/ is sys.path[0])
 from dramatiq.broker import MessageProxy  # noqa: E402
 from dramatiq.brokers.stub import StubBroker  # noqa: E402
 
@@ -133,6 +136,53 @@ def celery_cases(url: str, prefix: str) -> tuple[Callable[[], None], Callable[[]
     return traced(app.tasks[plain.name]), traced(app.tasks[guarded.name])
 
 
+def render(
+    results: dict[str, list[float]], args: argparse.Namespace, command: str, load: tuple[str, str]
+) -> str:
+    """The section of docs/performance.md: medians and lowest rounds, the adapters' shares."""
+    med = {name: statistics.median(values) for name, values in results.items()}
+    low = {name: min(values) for name, values in results.items()}
+    lines = [
+        HEADING,
+        "",
+        "What the Celery task class and the Dramatiq middleware add per message to the guard's "
+        "own `begin` + `finish`, in one process and one thread, no-op body, eager policy on "
+        f"the store `{args.store}` (a memory store leaves the round trips out: Python alone). "
+        "*guard*: `guard.begin` + `guard.finish`; *dramatiq hooks*: the middleware's "
+        "`before_process_message` + `after_process_message` on a real `MessageProxy`; "
+        "*celery plain* / *celery guarded*: Celery's own tracer (`build_tracer`, what a "
+        "prefork child runs per message) of a no-op task, plain and with `IdempotentTask`. "
+        f"{args.messages} messages per round, {args.rounds} rounds interleaved, CPU by "
+        "`time.process_time`; the lowest round is the least disturbed by other processes. "
+        f"Python {platform.python_version()}, {os.cpu_count()} CPUs; load average {load[0]} "
+        f"at the start, {load[1]} at the end.",
+        "",
+        "| case | CPU µs/msg (median) | lowest round | all rounds |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for name, values in results.items():
+        rounds = ", ".join(f"{v:.0f}" for v in values)
+        lines.append(f"| {name} | {med[name]:.1f} | {low[name]:.1f} | {rounds} |")
+    shares = []
+    for label, figures in (("median", med), ("lowest round", low)):
+        dramatiq_own = figures["dramatiq hooks"] - figures["guard"]
+        celery_own = figures["celery guarded"] - figures["celery plain"] - figures["guard"]
+        shares.append(f"Dramatiq {dramatiq_own:.0f} µs, Celery {celery_own:.0f} µs ({label})")
+    lines += [
+        "",
+        "The adapters' own share per message (*dramatiq hooks − guard*; *celery guarded − "
+        "celery plain − guard*): " + "; ".join(shares) + ".",
+        "",
+        "Command:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def measure(fn: Callable[[], None], messages: int) -> float:
     prepare = getattr(fn, "prepare", None)
     if prepare is not None:
@@ -149,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--store", default="memory://")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--write-docs", action="store_true", help=f"write {HEADING!r}")
     args = parser.parse_args(argv)
     prefix = f"cost{uuid.uuid4().hex[:8]}"
     celery_plain, celery_guarded = celery_cases(args.store, prefix)
@@ -166,22 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         names = list(cases) if round_no % 2 == 0 else list(reversed(cases))
         for name in names:
             results[name].append(measure(cases[name], args.messages))
-    med = {name: statistics.median(values) for name, values in results.items()}
-    print(f"store {args.store}; {args.messages} messages x {args.rounds} rounds; load {load}")
-    low = {name: min(values) for name, values in results.items()}
-    print("| case | CPU µs/msg (median) | (lowest) | rounds |")
-    print("| --- | ---: | ---: | --- |")
-    for name, values in results.items():
-        rounds = ", ".join(f"{v:.0f}" for v in values)
-        print(f"| {name} | {med[name]:.1f} | {low[name]:.1f} | {rounds} |")
-    for label, figures in (("median", med), ("lowest", low)):
-        dramatiq_own = figures["dramatiq hooks"] - figures["guard"]
-        celery_own = figures["celery guarded"] - figures["celery plain"] - figures["guard"]
-        print(
-            f"adapters' own share ({label}): Dramatiq {dramatiq_own:.1f} µs, "
-            f"Celery {celery_own:.1f} µs per message"
-        )
-    print("command: " + shlex.join([".venv/bin/python", "bench/adapter_cost.py", *sys.argv[1:]]))
+    load_end = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    command = shlex.join([".venv/bin/python", "bench/adapter_cost.py", *sys.argv[1:]])
+    section = render(results, args, command, (load, load_end))
+    print(section)
+    if args.write_docs:
+        write_section(section, DOC)
+        print(f"written to {DOC}")
     if args.profile:
         for name in ("dramatiq hooks", "celery guarded"):
             prepare = getattr(cases[name], "prepare", None)
