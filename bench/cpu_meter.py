@@ -37,7 +37,13 @@ def pid_cpu(pid: int) -> float:
 
 def group_cpu(pgid: int) -> float:
     """User + system CPU seconds of every live process whose process group is ``pgid``."""
-    total = 0.0
+    return sum(group_cpu_split(pgid))
+
+
+def group_cpu_split(pgid: int) -> tuple[float, float]:
+    """User + system CPU seconds of the process group's leader (``pid == pgid``: a Celery
+    worker's main process) and of its other live processes (the pool)."""
+    leader = others = 0.0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -47,8 +53,12 @@ def group_cpu(pgid: int) -> float:
         except OSError:  # gone meanwhile
             continue
         if int(fields[2]) == pgid:  # field 5: pgrp
-            total += (int(fields[11]) + int(fields[12])) / _TICK
-    return total
+            cpu = (int(fields[11]) + int(fields[12])) / _TICK
+            if int(entry) == pgid:
+                leader += cpu
+            else:
+                others += cpu
+    return leader, others
 
 
 def script_commands() -> frozenset[str]:

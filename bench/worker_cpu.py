@@ -106,11 +106,19 @@ def _ready(**_: Any) -> None:
 class Result:
     """One round of one variant."""
 
-    def __init__(self, rate: float, cpu_us: float, store_us: float, store_cpu_us: float) -> None:
+    def __init__(
+        self,
+        rate: float,
+        cpu_us: float,
+        store_us: float,
+        store_cpu_us: float,
+        pool_us: float | None = None,
+    ) -> None:
         self.rate = rate
-        self.cpu_us = cpu_us
+        self.cpu_us = cpu_us  # the whole worker: its main process and its pool processes
         self.store_us = store_us
         self.store_cpu_us = store_cpu_us
+        self.pool_us = pool_us  # Celery: the pool processes alone (they run the guard)
 
 
 def _rusage_s() -> float:
@@ -235,7 +243,7 @@ class CeleryWorker:
         if self.client.llen(key) != messages:
             raise RuntimeError("the queue was not filled")
         store_before = meter.read()
-        cpu_began = _group_cpu(self.process.pid)
+        main_began, pool_began = _group_cpu(self.process.pid)
         began = time.perf_counter()
         self.publisher.control.add_consumer(queue, reply=False)
         deadline = time.monotonic() + 600
@@ -244,14 +252,16 @@ class CeleryWorker:
                 raise RuntimeError(f"{variant}: the worker did not drain its queue")
             time.sleep(0.01)
         elapsed = time.perf_counter() - began
-        cpu = _group_cpu(self.process.pid) - cpu_began
+        main_ended, pool_ended = _group_cpu(self.process.pid)
         work = meter.since(store_before)
         self.publisher.control.cancel_consumer(queue, reply=False)
+        pool = pool_ended - pool_began
         return Result(
             messages / elapsed,
-            cpu / messages * 1e6,
+            (main_ended - main_began + pool) / messages * 1e6,
             work.usec / messages,
             work.cpu_s / messages * 1e6,
+            pool / messages * 1e6,
         )
 
     def stop(self) -> None:
@@ -269,10 +279,10 @@ class CeleryWorker:
             _clean(self.client, self.prefix)
 
 
-def _group_cpu(pgid: int) -> float:
-    from bench.cpu_meter import group_cpu
+def _group_cpu(pgid: int) -> tuple[float, float]:
+    from bench.cpu_meter import group_cpu_split
 
-    return group_cpu(pgid)
+    return group_cpu_split(pgid)
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -297,15 +307,19 @@ def render(
         "one `celery worker -P prefork -c N` (`acks_late=True`, prefetch 4) per pool size; "
         "each round fills a fresh queue, then `add_consumer`s it; its CPU the sum of "
         "`/proc/<pid>/stat` utime + stime of the worker's main and pool processes over the "
-        "round. *Store µs/msg*: the store's `INFO commandstats` usec of top-level commands "
+        "round; *of which pool*: the part of *CPU above plain* spent in the pool processes, "
+        "where the guard runs (the rest is the main process's: consuming, handing messages "
+        "to the pool, acknowledging). "
+        "*Store µs/msg*: the store's `INFO commandstats` usec of top-level commands "
         "(a Lua script's includes the commands it runs, counted once) per message; *store "
         "process µs/msg*: the redis-server's own CPU time (`/proc`), network I/O included. "
         f"Python {platform.python_version()}, {os.cpu_count()} CPUs ({platform.machine()}); "
         f"load average {load[0]} at the start, {load[1]} at the end.",
         "",
         "| framework | workers | variant | tasks/s | vs plain | worker CPU µs/msg "
-        "| CPU above plain | store µs/msg (commandstats) | store process µs/msg |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| CPU above plain | of which pool | store µs/msg (commandstats) "
+        "| store process µs/msg |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     verdicts = []
     for framework, size in dict.fromkeys((f, s) for f, s, _ in results):
@@ -314,8 +328,8 @@ def render(
         }
         med = {
             v: {
-                field: statistics.median(getattr(r, field) for r in rs)
-                for field in ("rate", "cpu_us", "store_us", "store_cpu_us")
+                field: statistics.median(getattr(r, field) or 0.0 for r in rs)
+                for field in ("rate", "cpu_us", "store_us", "store_cpu_us", "pool_us")
             }
             for v, rs in rows.items()
         }
@@ -325,9 +339,12 @@ def render(
         )
         for variant, m in med.items():
             above = "—" if variant == "plain" else f"{m['cpu_us'] - base['cpu_us']:+,.0f}"
+            pool = "—"
+            if framework == "Celery":
+                pool = f"{m['pool_us'] - base['pool_us']:+,.0f}" if variant != "plain" else "—"
             lines.append(
                 f"| {framework} | {label} | {variant} | {m['rate']:,.0f} | "
-                f"{m['rate'] / base['rate']:.2f}× | {m['cpu_us']:,.0f} | {above} | "
+                f"{m['rate'] / base['rate']:.2f}× | {m['cpu_us']:,.0f} | {above} | {pool} | "
                 f"{m['store_us']:,.0f} | {m['store_cpu_us']:,.0f} |"
             )
         to, hand = med["taskonce"], med["hand-written"]
@@ -385,8 +402,8 @@ def main(argv: list[str] | None = None) -> int:
             results.setdefault((framework, size, variant), []).append(result)
             print(
                 f"{framework} {size}: {variant:<12} {result.rate:7,.0f}/s  worker "
-                f"{result.cpu_us:6,.0f} µs/msg  store {result.store_us:5,.0f} µs/msg "
-                f"(process {result.store_cpu_us:5,.0f})",
+                f"{result.cpu_us:6,.0f} µs/msg (pool {result.pool_us or 0:6,.0f})  store "
+                f"{result.store_us:5,.0f} µs/msg (process {result.store_cpu_us:5,.0f})",
                 flush=True,
             )
 
