@@ -181,10 +181,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return super().__call__(*args, **kwargs)
         state = app_state(self.app)
         eager = bool(request.is_eager)
-        try:
-            guard = guard_for(self.app)
-        except ConfigError as exc:
-            self._refuse_misconfigured(request, exc, eager)
+        guard = state.guard
+        if guard is None:  # no setup(): built from the settings on the first delivery
+            try:
+                guard = guard_for(self.app)
+            except ConfigError as exc:
+                self._refuse_misconfigured(request, exc, eager)
         if eager and state.eager == "bypass":
             return super().__call__(*args, **kwargs)
         queue = delivery_queue(self, request)
@@ -245,7 +247,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             links: tuple[Any, Any] = (None, None)
             try:
-                result = super().__call__(*args, **kwargs)
+                result = self._body(args, kwargs)
                 if ticket.capture is not None and not eager and request.id not in _HELD:
                     # The tracer publishes these after we return, i.e. after the record: they
                     # are part of this outcome's sends instead.
@@ -266,6 +268,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return result
         finally:
             _ACTIVE.reset(token)
+
+    def _body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the body. Celery's tracer has already pushed this task and its request (with
+        these ``args``/``kwargs``) when it calls a task with a custom ``__call__``, and calls
+        ``run`` itself for a task without one; ``Task.__call__`` would push both a second time
+        (a copy of the request per message), so the body is run as the tracer runs a plain
+        task's, unless a class between this one and ``Task`` has its own ``__call__``."""
+        if _calls_run_directly(type(self)):
+            return self.run(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def _finish(
         self,
@@ -486,6 +498,24 @@ class IdempotentTask(Task):  # type: ignore[misc]
         active = _ACTIVE.get()
         if active is not None and active.ticket.delivery.message_id == self.request.id:
             active.release()
+
+
+#: Celery's own ``Task.__call__``, as imported (before any ``add_around`` wrapping).
+_CELERY_CALL = Task.__call__
+#: Per task class: whether the ``__call__`` after :class:`IdempotentTask`'s is Celery's own.
+_DIRECT_RUN: dict[type, bool] = {}
+
+
+def _calls_run_directly(cls: type) -> bool:
+    """Whether ``super(IdempotentTask, task).__call__`` is ``celery.Task.__call__`` (which only
+    pushes the task and a copy of its request, then calls ``run``) for tasks of ``cls``."""
+    direct = _DIRECT_RUN.get(cls)
+    if direct is None:
+        mro = cls.__mro__
+        after = mro[mro.index(IdempotentTask) + 1 :]
+        call = next((vars(k)["__call__"] for k in after if "__call__" in vars(k)), None)
+        direct = _DIRECT_RUN[cls] = call is _CELERY_CALL
+    return direct
 
 
 def _reject(reason: BaseException, requeue: bool) -> Reject:

@@ -150,10 +150,11 @@ class Finisher(Middleware):
 def sends_after_success(broker: Broker, message: MessageProxy) -> bool:
     """Whether ``Pipelines`` or ``Callbacks`` will send something after ``message`` succeeds: a
     next pipeline step or an ``on_success`` callback (message or actor option)."""
-    options = message.options
+    msg = vars(message).get("_message", message)  # not through the proxy's __getattr__
+    options = msg.options
     if options.get("pipe_target") is not None or options.get("on_success"):
         return True
-    actor = broker.actors.get(message.actor_name)
+    actor = broker.actors.get(msg.actor_name)
     return actor is not None and bool(actor.options.get("on_success"))
 
 

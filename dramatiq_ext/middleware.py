@@ -146,6 +146,7 @@ class IdempotencyMiddleware(Middleware):
             store_error_max_backoff=max(store_error_min_backoff, store_error_max_backoff),
         )
         self._declared_here: set[str] = set()
+        self._queues: dict[str, str] = {}
 
     @property
     def actor_options(self) -> set[str]:
@@ -207,20 +208,23 @@ class IdempotencyMiddleware(Middleware):
         """Ask the guard whether this delivery runs; raise a skip when it does not."""
         if message.failed:
             return  # an earlier middleware failed it: the actor will not run, nothing to claim
+        # The message's fields read from the Message itself: each read through the proxy goes
+        # through MessageProxy.__getattr__, nine of them per delivery.
+        msg = _message_of(message)
         try:
-            policy = self.policies.for_actor(broker.get_actor(message.actor_name))
+            policy = self.policies.for_name(broker, msg.actor_name)
             if policy is None:
                 return  # idempotency=False
             delivery = Delivery(
-                message_id=message.message_id,
-                queue=q_name(message.queue_name),
-                task=message.actor_name,
+                message_id=msg.message_id,
+                queue=self._canonical(msg.queue_name),
+                task=msg.actor_name,
                 framework=FRAMEWORK,
-                attempt=int(message.options.get("retries", 0)),
+                attempt=int(msg.options.get("retries", 0)),
                 redelivered=_redelivered(message),
                 override=policy,
             )
-            ticket = self.guard.begin(delivery, message.args, message.kwargs)
+            ticket = self.guard.begin(delivery, msg.args, msg.kwargs)
         except StoreUnavailable as exc:  # on_store_error="fail_closed"
             self._put_back_after_store_error(broker, message, exc)
         except (PayloadMismatch, InvalidInput, ConfigError) as exc:
@@ -234,6 +238,13 @@ class IdempotencyMiddleware(Middleware):
                 f"({type(exc).__name__}: {exc}); it was not run"
             ) from exc
         self._act_on(broker, message, ticket)
+
+    def _canonical(self, queue_name: str) -> str:
+        """``q_name(queue_name)`` (``q.DQ``/``q.XQ`` are ``q``), remembered per name."""
+        queue = self._queues.get(queue_name)
+        if queue is None:
+            queue = self._queues[queue_name] = q_name(queue_name)
+        return queue
 
     def _act_on(self, broker: Broker, message: MessageProxy, ticket: Ticket) -> None:
         decision = ticket.decision
@@ -368,6 +379,11 @@ class IdempotencyMiddleware(Middleware):
         ticket = self.tickets.take(message)
         if ticket is not None:
             self.guard.fail(ticket)
+
+
+def _message_of(message: MessageProxy) -> Any:
+    """The :class:`dramatiq.Message` behind a proxy (the proxy itself where it has none)."""
+    return vars(message).get("_message", message)
 
 
 def _redelivered(message: MessageProxy) -> bool | None:

@@ -26,7 +26,7 @@ from taskonce.errors import ConfigError
 from taskonce.policy import Policy
 
 if TYPE_CHECKING:
-    from dramatiq import Actor
+    from dramatiq import Actor, Broker
 
     from taskonce.guard import Guard
 
@@ -61,12 +61,13 @@ class ActorPolicies:
             self._policies[actor.actor_name] = policy
         return policy
 
-    def for_actor(self, actor: Actor[Any, Any]) -> Policy | None:
-        """The cached policy of ``actor`` (resolved now if it never was)."""
+    def for_name(self, broker: Broker, actor_name: str) -> Policy | None:
+        """The cached policy of the actor called ``actor_name`` on ``broker`` (resolved now if
+        it never was; ``broker.get_actor`` raises ``ActorNotFound`` for an unknown name)."""
         try:
-            return self._policies[actor.actor_name]
+            return self._policies[actor_name]
         except KeyError:
-            return self.resolve(actor)
+            return self.resolve(broker.get_actor(actor_name))
 
     def forget(self, actor_name: str) -> None:
         """Drop a cached policy (an actor re-declared under the same name)."""

@@ -1,4 +1,5 @@
-"""The Celery worker app of the comparison: the same order task under five guards.
+"""The Celery worker app of the comparison: the same order task under six guards (the sixth
+is the yardstick :mod:`bench.handwritten`: SET NX PX before the body, SET PX after it).
 
 ``PEERS_BROKER``: broker URL; ``PEERS_LOCKS``: the redis-server every guard keeps its records
 in (the comparison's own, so its ``INFO commandstats`` counts only them); ``PEERS_PG``: the
@@ -24,13 +25,14 @@ import redis
 from celery import Celery, Task, signals
 
 import taskonce
+from bench.handwritten import celery_base
 from taskonce.celery_ext import IdempotentTask, setup
 
 ENV = os.environ
 PREFIX = ENV.get("PEERS_PREFIX", "peers")
 LOCKS = ENV.get("PEERS_LOCKS", "redis://127.0.0.1:6379/0")
 PG = ENV.get("PEERS_PG", "postgresql://postgres@127.0.0.1:5432/test")
-PEERS = ("plain", "taskonce", "celery_once", "celery_singleton", "powertools")
+PEERS = ("plain", "taskonce", "celery_once", "celery_singleton", "powertools", "handwritten")
 
 app = Celery("peers", broker=ENV.get("PEERS_BROKER", "memory://"))
 app.conf.update(
@@ -155,6 +157,11 @@ _POWERTOOLS = _powertools()
 @app.task(name="powertools.order", **OPTIONS)
 def powertools_order(self: Task, table: str, label: str, mode: str = "") -> str:
     return str(_POWERTOOLS(order={"table": table, "label": label, "mode": mode}, task=self))
+
+
+@app.task(name="handwritten.order", base=celery_base(LOCKS, f"{PREFIX}-hand"), **OPTIONS)
+def handwritten_order(self: Task, table: str, label: str, mode: str = "") -> str:
+    return body(self, table, label, mode)
 
 
 @signals.worker_ready.connect

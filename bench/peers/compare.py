@@ -1,11 +1,15 @@
 """taskonce side by side with celery-once, celery-singleton and Powertools' idempotency.
 
+The sixth guard, ``handwritten``, is what a user would write instead (:mod:`bench.handwritten`).
+
 One real Celery worker (prefork, 2 processes) runs the same order task under each guard
 (:mod:`bench.peers.app`); the comparison's own redis-servers are the broker and the store every
 guard keeps its records in. Behaviour: each scenario is played once per guard and the body's
 runs are counted in PostgreSQL. Speed: no-op tasks per second of each guard, plain Celery as
-the baseline, rounds interleaved in one run; and the store commands per message (the store's
-``INFO commandstats`` delta over each round).
+the baseline, rounds interleaved in one run; per message, the worker's CPU (``/proc/<pid>/stat``
+of its processes), the producer's CPU (this process while it sends), and the store's work:
+its ``INFO commandstats`` (commands, scripts, top-level usec) and its redis-server's CPU time
+(:mod:`bench.cpu_meter`). ``--write-docs`` writes both tables to ``docs/comparison.md``.
 
 Run: ``make compare`` (installs the ``compare`` extra), or
 ``.venv/bin/python -m bench.peers.compare [--rounds 3 --messages 300] [--write-docs]``.
@@ -14,7 +18,9 @@ Run: ``make compare`` (installs the ``compare`` extra), or
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import platform
 import signal
 import statistics
 import subprocess
@@ -32,17 +38,19 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.chaos.soak import PG_URL, RedisServer, wait_until  # noqa: E402
+from bench.cpu_meter import StoreMeter, group_cpu  # noqa: E402
 from bench.docs_section import command_lines, write_section  # noqa: E402
 
-PEERS = ("plain", "taskonce", "celery_once", "celery_singleton", "powertools")
+PEERS = ("plain", "taskonce", "celery_once", "celery_singleton", "powertools", "handwritten")
 NAMES = {
     "plain": "plain Celery (no guard)",
     "taskonce": "taskonce (eager, Redis store)",
     "celery_once": "celery-once",
     "celery_singleton": "celery-singleton",
     "powertools": "Powertools idempotency (Redis)",
+    "handwritten": "hand-written SET NX PX",
 }
-DOC = ROOT / "docs" / "reliability.md"
+DOC = ROOT / "docs" / "comparison.md"
 BEHAVIOUR = "## Side by side: behaviour"
 SPEED = "## Side by side: speed"
 #: Seconds a scenario waits for a redelivery before it says "not run again".
@@ -111,9 +119,12 @@ class Bench:
             "celery_once": app.once_order,
             "celery_singleton": app.singleton_order,
             "powertools": app.powertools_order,
+            "handwritten": app.handwritten_order,
         }
         self.client = redis.Redis.from_url(self.broker.url)
         self.store = redis.Redis.from_url(self.locks.url)
+        assert self.locks.process is not None
+        self.meter = StoreMeter(self.store, self.locks.process.pid)
 
     def stop(self) -> None:
         if self.worker is not None:
@@ -204,41 +215,59 @@ class Bench:
 
     # -- speed -----------------------------------------------------------------------------
 
-    def throughput(self, peer: str, messages: int) -> tuple[float, float, float]:
-        """(tasks per second, store commands per message counting those run inside scripts,
-        scripts per message) of one round."""
+    def throughput(self, peer: str, messages: int) -> Speed:
+        """One round of ``messages`` no-op tasks of ``peer``: sent to a fresh queue the worker
+        does not consume, then drained by it (``add_consumer``) at its own pace."""
+        assert self.worker is not None
         counter = f"r{uuid.uuid4().hex[:8]}"
-        commands, scripts = _commands(self.store)
-        started = time.perf_counter()
+        queue = f"{self.prefix}.speed.{counter}"
+        store_before = self.meter.read()  # the store's work of the sends counts too
+        producer_before = time.process_time()
         for i in range(messages):
-            self.tasks[peer].apply_async((counter, f"{counter}-{i}", "noop"))
+            self.tasks[peer].apply_async((counter, f"{counter}-{i}", "noop"), queue=queue)
+        producer = time.process_time() - producer_before
+        key = f"{self.prefix}:{queue}"
+        wait_until(lambda: self.client.llen(key) >= messages, 60, f"{peer}'s queue to fill")
+
+        def drained() -> bool:
+            return self.client.llen(key) == 0 and self.client.hlen(f"{self.prefix}:unacked") == 0
+
+        worker_before = group_cpu(self.worker.pid)
+        started = time.perf_counter()
+        self.app.app.control.add_consumer(queue, reply=False)
         wait_until(
             lambda: int(self.client.get(f"{self.prefix}:done:{counter}") or 0) >= messages,
             300,
             f"{peer}'s round",
         )
+        wait_until(drained, 120, "the last acknowledgements")  # completions come before them
         elapsed = time.perf_counter() - started
+        worker = group_cpu(self.worker.pid) - worker_before
+        work = self.meter.since(store_before)
+        self.app.app.control.cancel_consumer(queue, reply=False)
         self.settle(0.5)
-        after, scripts_after = _commands(self.store)
-        return (
-            messages / elapsed,
-            (after - commands) / messages,
-            (scripts_after - scripts) / messages,
+        return Speed(
+            rate=messages / elapsed,
+            worker_us=worker / messages * 1e6,
+            producer_us=producer / messages * 1e6,
+            store_us=work.usec / messages,
+            store_cpu_us=work.cpu_s / messages * 1e6,
+            commands=work.commands / messages,
+            scripts=work.scripts / messages,
         )
 
 
-def _commands(client: redis.Redis) -> tuple[int, int]:
-    """Commands the store ran (those inside scripts included; our INFO readings left out) and
-    scripts it ran (EVAL, EVALSHA, FCALL)."""
-    stats = client.info("commandstats")
-    total = scripts = 0
-    for name, value in stats.items():
-        if name == "cmdstat_info":
-            continue
-        total += int(value["calls"])
-        if name in ("cmdstat_eval", "cmdstat_evalsha", "cmdstat_fcall"):
-            scripts += int(value["calls"])
-    return total, scripts
+@dataclasses.dataclass(frozen=True)
+class Speed:
+    """One throughput round of one guard; the ``_us`` figures are CPU µs per message."""
+
+    rate: float  # tasks per second
+    worker_us: float  # the worker's processes (main and pool)
+    producer_us: float  # this process while it sends (celery-once and singleton lock here)
+    store_us: float  # the store's top-level commands by INFO commandstats usec
+    store_cpu_us: float  # the store's redis-server process
+    commands: float  # store commands per message (those scripts run included)
+    scripts: float  # of which scripts (EVAL/EVALSHA)
 
 
 def with_suppress(fn: Callable[[], Any]) -> None:
@@ -255,6 +284,56 @@ SCENARIOS = (
     ("body fails once, then succeeds on retry: retried?", "fails_once", ""),
     ("body sends a child, then the worker dies: child runs", "send_then_crash", ""),
 )
+
+
+def speed_section(
+    speeds: dict[str, list[Speed]], args: argparse.Namespace, load_start: str, load_end: str
+) -> list[str]:
+    """The speed table: medians of each guard's rounds, plain Celery as the baseline."""
+
+    def med(peer: str, field: str) -> float:
+        return statistics.median(getattr(speed, field) for speed in speeds[peer])
+
+    plain = "plain" in speeds
+    lines = [
+        SPEED,
+        "",
+        f"No-op tasks through one worker (`celery worker -P prefork -c 2`, `acks_late`), "
+        f"{args.messages} per round, sent to a fresh queue first, then drained by the worker "
+        f"(`add_consumer`), timed until the last is acknowledged; {args.rounds} rounds of "
+        "each guard interleaved in one run (order reversed every other round); medians, and "
+        "ratios to plain Celery in the same run. Per message: *worker CPU* is the user + "
+        "system time of the worker's main and pool processes (`/proc/<pid>/stat`) while it "
+        "drains the queue; *producer CPU* is the sending process's while it sends "
+        "(celery-once and celery-singleton take their lock there, at `apply_async`, and "
+        "release it in the worker). The store's figures cover the sends and the drain, "
+        "producer and worker together: *store µs* is its `INFO commandstats` usec of "
+        "top-level commands (a Lua script's includes the commands it runs, counted once), "
+        "*store process* its redis-server's own CPU time (`/proc`, 10 ms ticks), network I/O "
+        "included; *commands* as Redis counts them "
+        "(those a script runs included), and of those the scripts (`EVAL`/`EVALSHA`, one round "
+        "trip each). The worker's liveness records (taskonce: one write per process every 4 s) "
+        "fall into every row. "
+        f"Python {platform.python_version()}, {os.cpu_count()} CPUs ({platform.machine()}); "
+        f"load average {load_start} at the start, {load_end} at the end.",
+        "",
+        "| guard | tasks/s | vs plain | worker CPU µs | above plain | producer CPU µs "
+        "| store µs (commandstats) | store process µs | store commands | of which scripts |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for peer in speeds:
+        rate, worker = med(peer, "rate"), med(peer, "worker_us")
+        ratio = f"{rate / med('plain', 'rate'):.2f}×" if plain else "—"
+        above = "—"
+        if plain and peer != "plain":
+            above = f"{worker - med('plain', 'worker_us'):+.0f}"
+        lines.append(
+            f"| {NAMES[peer]} | {rate:.0f} | {ratio} | {worker:.0f} | {above} "
+            f"| {med(peer, 'producer_us'):.0f} | {med(peer, 'store_us'):.0f} "
+            f"| {med(peer, 'store_cpu_us'):.0f} | {med(peer, 'commands'):.1f} "
+            f"| {med(peer, 'scripts'):.1f} |"
+        )
+    return lines
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
@@ -275,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     bench = Bench(folder)
     command = ".venv/bin/python -m bench.peers.compare " + " ".join(argv or sys.argv[1:])
+    load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
     try:
         bench.start()
         behaviour: dict[str, dict[str, str]] = {}
@@ -284,21 +364,19 @@ def main(argv: list[str] | None = None) -> int:
                 for title, method, _ in SCENARIOS:
                     behaviour[peer][title] = getattr(bench, method)(peer)
                     print(f"{NAMES[peer]}: {title}: {behaviour[peer][title]}", flush=True)
-        rates: dict[str, list[float]] = {p: [] for p in peers}
-        trips: dict[str, list[float]] = {p: [] for p in peers}
-        commands: dict[str, list[float]] = {p: [] for p in peers}
+        speeds: dict[str, list[Speed]] = {p: [] for p in peers}
         for peer in peers:  # warm-up round, not counted
             bench.throughput(peer, min(50, args.messages))
         for round_no in range(args.rounds):
             order = peers if round_no % 2 == 0 else list(reversed(peers))
             for peer in order:
-                rate, per_command, per_script = bench.throughput(peer, args.messages)
-                rates[peer].append(rate)
-                commands[peer].append(per_command)
-                trips[peer].append(per_script)
+                speed = bench.throughput(peer, args.messages)
+                speeds[peer].append(speed)
                 print(
-                    f"round {round_no + 1} {NAMES[peer]}: {rate:.0f}/s, {per_command:.1f} "
-                    f"commands and {per_script:.1f} scripts per message",
+                    f"round {round_no + 1} {NAMES[peer]}: {speed.rate:.0f}/s; per message: "
+                    f"worker {speed.worker_us:.0f} µs, producer {speed.producer_us:.0f} µs, "
+                    f"store {speed.store_us:.0f} µs (process {speed.store_cpu_us:.0f} µs), "
+                    f"{speed.commands:.1f} commands, {speed.scripts:.1f} scripts",
                     flush=True,
                 )
     finally:
@@ -312,29 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         for title, _, _ in SCENARIOS:
             lines_b.append(f"| {title} | " + " | ".join(behaviour[p][title] for p in peers) + " |")
         lines_b += ["", *command_lines(command)]
-    base = statistics.median(rates["plain"]) if "plain" in rates else None
-    lines_s = [
-        SPEED,
-        "",
-        f"No-op tasks through one worker (prefork, 2 processes), {args.messages} per round, "
-        f"{args.rounds} rounds interleaved; median rate and its ratio to plain Celery in the "
-        "same run. Store traffic per message, producer and worker together, from the store's "
-        "`INFO commandstats`: commands as Redis counts them (those a Lua script runs "
-        "included), and of those the scripts (`EVAL`/`EVALSHA`, one round trip each, "
-        "atomic). The worker's liveness records (one write per process every 4 s) fall into "
-        "every row, plain Celery's too.",
-        "",
-        "| guard | tasks/s (median) | vs plain Celery | store commands per message "
-        "| of which scripts |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for peer in peers:
-        rate = statistics.median(rates[peer])
-        ratio = f"{rate / base:.2f}×" if base else "—"
-        lines_s.append(
-            f"| {NAMES[peer]} | {rate:.0f} | {ratio} | {statistics.median(commands[peer]):.1f} "
-            f"| {statistics.median(trips[peer]):.1f} |"
-        )
+    load_end = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    lines_s = speed_section(speeds, args, load_start, load_end)
     lines_s += ["", *command_lines(command)]
     print("\n".join([*lines_b, "", *lines_s]))
     if args.write_docs:
