@@ -62,7 +62,7 @@ class Worker:
         self.concurrency = concurrency
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 40.0) -> Worker:
+    def start(self, timeout: float = 90.0) -> Worker:
         self.launch()
 
         def ready() -> bool:
