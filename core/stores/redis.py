@@ -439,6 +439,7 @@ class _SharedTrips:
         client: redis.Redis,
         wait: tuple[int, int] | None = None,
         reads: frozenset[str] = frozenset(),
+        own_connection: bool = False,
     ) -> None:
         self._client = client
         # ``min_replicas``: (replicas, timeout ms) for a WAIT after the writes of each round
@@ -446,14 +447,19 @@ class _SharedTrips:
         # the SHA1s of the scripts that write nothing.
         self._wait = wait
         self._reads = reads
+        # A lone call goes down a connection this line keeps (see _send_own) instead of
+        # through redis-py's command path; only for a client the store opened itself.
+        self._own_connection = own_connection
         self._reset()
         _FORKED.add(self)
 
     def _reset(self) -> None:
-        # After a fork the parent's threads do not exist in the child: no queue, no sender.
+        # After a fork the parent's threads do not exist in the child: no queue, no sender,
+        # and the parent's connection is not this process's to use (the pool opens new ones).
         self._lock = threading.Lock()
         self._queued: list[_Call] = []
         self._busy = False
+        self._conn: Any = None
 
     def run(self, script: Script, name: str, args: Sequence[Any]) -> _Call:
         """Run ``script`` on key ``name``; the returned call holds its reply or its error."""
@@ -545,6 +551,9 @@ class _SharedTrips:
                 call.answer(reply)
 
     def _send_one(self, call: _Call) -> None:
+        if self._own_connection:
+            self._send_own(call)
+            return
         try:
             try:
                 reply = self._client.evalsha(call.script.sha, 1, call.name, *call.args)
@@ -554,6 +563,55 @@ class _SharedTrips:
             call.answer(error=exc)
         else:
             call.answer(reply)
+
+    def _send_own(self, call: _Call) -> None:
+        """Send one EVALSHA down the connection this line keeps from the pool.
+
+        Only the current sender of this line uses it, so it needs no pool checkout per call:
+        redis-py's command path (pool checkout and return, each with a pid check, a lock, a
+        poll of the socket and observability counters; the retry wrapper; the response
+        callbacks) costs about as much client CPU as the round trip's own system calls
+        (``bench/guard_cpu.py``, docs/performance.md). What it keeps: the connection's own retry
+        policy (the store's client retries once after a connection error, never after a
+        timeout), the script loaded again after a ``NoScriptError``, and a connection that
+        failed in any other way goes back to the pool disconnected (a Sentinel pool then finds
+        the current master for the next one). The EVALSHA reply has no response callback in
+        redis-py, so the parser's reply is the reply."""
+        conn = self._conn
+        try:
+            if conn is None:
+                conn = self._conn = self._client.connection_pool.get_connection()
+            packed = conn.pack_command("EVALSHA", call.script.sha, 1, call.name, *call.args)
+
+            def attempt() -> Any:
+                conn.send_packed_command(packed)
+                return conn.read_response()
+
+            reply = conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
+        except redis.exceptions.NoScriptError:
+            try:  # Script.__call__ loads it (after a restart or SCRIPT FLUSH)
+                reply = call.script(keys=[call.name], args=list(call.args))
+            except Exception as exc:
+                call.answer(error=exc)
+                return
+        except BaseException as exc:
+            self._drop_connection()
+            if not isinstance(exc, Exception):
+                raise  # an interruption: the caller's handler answers the call
+            call.answer(error=exc)
+            return
+        call.answer(reply)
+
+    def _drop_connection(self) -> None:
+        """Give the kept connection back to the pool, disconnected: after an error its state
+        (a reply half read, a demoted master) is unknown."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            conn.disconnect()
+        finally:
+            self._client.connection_pool.release(conn)
 
     def _hand_over(self, sender: _Call) -> None:
         """The sender's last step: wake every caller of its batch (one not answered gets a
@@ -842,7 +900,7 @@ class RedisStore(Store):
         else:
             wait = (replicas, max(1, round(socket_timeout * 500))) if replicas else None
             reads = frozenset(script.sha for script in (self._get, self._seen, self._pending))
-            self._trips = _SharedTrips(self._client, wait, reads)
+            self._trips = _SharedTrips(self._client, wait, reads, own_connection=self._owns_client)
         logger.debug("opened %s", self.describe())
 
     def _open(self, url: str, socket_timeout: float) -> redis.Redis:
