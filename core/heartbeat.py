@@ -48,6 +48,10 @@ class Heartbeat:
         self._watched: dict[int, _Watch] = {}
         self._ids = itertools.count()
         self._wake_at = float("inf")
+        # The shortest renewal interval watched so far: with nothing to renew, the thread looks
+        # again that long after it last looked, so a new watch (due at least that long from
+        # now) need not wake it. Waking it for every delivery would cost a thread switch each.
+        self._shortest = float("inf")
         self._thread: threading.Thread | None = None
 
     def watch(self, lease: float, renew: Renew) -> int:
@@ -57,6 +61,7 @@ class Heartbeat:
         with self._cond:
             handle = next(self._ids)
             self._watched[handle] = _Watch(due, interval, renew)
+            self._shortest = min(self._shortest, interval)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
@@ -78,7 +83,7 @@ class Heartbeat:
                     if due:
                         break
                     self._wake_at = min(
-                        (w.due for w in self._watched.values()), default=float("inf")
+                        (w.due for w in self._watched.values()), default=now + self._shortest
                     )
                     timeout = None if self._wake_at == float("inf") else self._wake_at - now
                     self._cond.wait(timeout)

@@ -79,6 +79,11 @@ from redis.backoff import NoBackoff
 from redis.commands.core import Script
 from redis.retry import Retry
 
+try:  # the redis extra installs it (redis[hiredis]); redis-py works without it
+    import hiredis as _hiredis
+except ImportError:  # pragma: no cover - depends on the installation
+    _hiredis = None  # type: ignore[assignment]
+
 from taskonce.errors import ConfigError, LeaseLost, StoreUnavailable
 from taskonce.stores import redact
 from taskonce.stores.base import (
@@ -94,6 +99,8 @@ from taskonce.stores.base import (
 from taskonce.stores.options import check_names, own_value, single_values
 
 logger = logging.getLogger(__name__)
+
+_PACK_COMMAND: Callable[[tuple[Any, ...]], bytes] | None = getattr(_hiredis, "pack_command", None)
 
 T = TypeVar("T")
 
@@ -475,6 +482,7 @@ class _SharedTrips:
         self._queued: list[_Call] = []
         self._busy = False
         self._conn: Any = None
+        self._pack: Callable[[Any, tuple[Any, ...]], list[bytes]] = _redis_py_pack
 
     def run(self, script: Script, name: str, args: Sequence[Any]) -> _Call:
         """Run ``script`` on key ``name``; the returned call holds its reply or its error."""
@@ -596,7 +604,8 @@ class _SharedTrips:
         try:
             if conn is None:
                 conn = self._conn = self._client.connection_pool.get_connection()
-            packed = conn.pack_command("EVALSHA", call.script.sha, 1, call.name, *call.args)
+                self._pack = _fast_packer(conn)
+            packed = self._pack(conn, ("EVALSHA", call.script.sha, 1, call.name, *call.args))
 
             def attempt() -> Any:
                 conn.send_packed_command(packed)
@@ -664,6 +673,33 @@ class _SharedTrips:
             leads = call.leads
         if leads:
             self._hand_over(call)
+
+
+def _redis_py_pack(conn: Any, command: tuple[Any, ...]) -> list[bytes]:
+    packed: list[bytes] = conn.pack_command(*command)
+    return packed
+
+
+def _hiredis_pack(_conn: Any, command: tuple[Any, ...]) -> list[bytes]:
+    assert _PACK_COMMAND is not None  # _fast_packer chose this packer
+    try:
+        return [_PACK_COMMAND(command)]
+    except TypeError as exc:  # what redis-py's own packer turns it into
+        raise redis.exceptions.DataError(str(exc)) from None
+
+
+def _fast_packer(conn: Any) -> Callable[[Any, tuple[Any, ...]], list[bytes]]:
+    """How to pack commands for ``conn``: hiredis' ``pack_command`` straight away where it
+    encodes text as the connection would (UTF-8, strict), else redis-py's packer, which does
+    the same through several Python calls per argument (about 11 µs against 2 µs for a
+    claim's ten)."""
+    encoder = getattr(conn, "encoder", None)
+    utf8 = (
+        encoder is not None
+        and str(encoder.encoding).lower().replace("-", "").replace("_", "") == "utf8"
+        and encoder.encoding_errors == "strict"
+    )
+    return _hiredis_pack if _PACK_COMMAND is not None and utf8 else _redis_py_pack
 
 
 class _OneTrip:
