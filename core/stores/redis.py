@@ -520,6 +520,9 @@ class _SharedTrips:
         if len(batch) == 1 and not waits:
             self._send_one(batch[0])
             return
+        if self._own_connection and not waits:
+            self._send_own_batch(batch)
+            return
         pipe = self._client.pipeline(transaction=False)
         for call in batch:
             pipe.evalsha(call.script.sha, 1, call.name, *call.args)
@@ -625,6 +628,60 @@ class _SharedTrips:
             call.answer(error=exc)
             return
         call.answer(reply)
+
+    def _send_own_batch(self, batch: list[_Call]) -> None:
+        """Send a shared round trip down the kept connection: every call's EVALSHA in one
+        write, then their replies read in order (what redis-py's pipeline does, without its
+        command path per call). A call whose arguments cannot be encoded fails alone; the
+        round trip is retried as the connection's retry policy says, like a pipeline."""
+        conn = self._conn
+        sendable: list[_Call] = []
+        try:
+            if conn is None:
+                conn = self._conn = self._client.connection_pool.get_connection()
+                self._pack = _fast_packer(conn)
+            packed: list[bytes] = []
+            for call in batch:
+                try:
+                    packed += self._pack(
+                        conn, ("EVALSHA", call.script.sha, 1, call.name, *call.args)
+                    )
+                except (redis.exceptions.DataError, UnicodeError) as exc:
+                    call.answer(error=exc)
+                    continue
+                sendable.append(call)
+            if not sendable:
+                return
+
+            def attempt() -> list[Any]:
+                conn.send_packed_command(packed)
+                replies: list[Any] = []
+                for _ in sendable:
+                    try:
+                        replies.append(conn.read_response())
+                    except redis.exceptions.ResponseError as exc:  # this call's own error
+                        replies.append(exc)
+                return replies
+
+            replies = conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
+        except BaseException as exc:
+            self._drop_connection()
+            if not isinstance(exc, Exception):
+                raise  # an interruption: the sender's handler answers the calls
+            for call in sendable:
+                call.answer(
+                    error=exc if call is sendable[0] or _cannot_answer(exc) else _shared(exc)
+                )
+            return
+        if any(_cannot_answer(reply) for reply in replies if isinstance(reply, BaseException)):
+            self._drop_connection()  # e.g. a master demoted by a failover: find the new one
+        for call, reply in zip(sendable, replies, strict=True):
+            if isinstance(reply, redis.exceptions.NoScriptError):
+                self._send_own(call)  # loads the script (after a restart or SCRIPT FLUSH)
+            elif isinstance(reply, BaseException):
+                call.answer(error=reply)
+            else:
+                call.answer(reply)
 
     def _drop_connection(self) -> None:
         """Give the kept connection back to the pool, disconnected: after an error its state
