@@ -8,7 +8,11 @@ script's commands) and stops by its pid:
   guard does: ``SET key 1 NX PX lease`` before the handler and ``SET key done PX keep_for`` after
   (two round trips, no fencing, no events), through the store's own client;
 - lazy: ``guard.run`` with ``Policy(mode="lazy")`` against ``GET key`` before and
-  ``SET key done PX keep_for`` after.
+  ``SET key done PX keep_for`` after;
+- the client's floor: the same raw commands written down a connection kept out of the pool and
+  packed by hiredis, the way the store sends its scripts (no redis-py command path).
+
+The ratios are over the raw calls through redis-py (``client.set``/``client.get``).
 
 Batches of the guard and of the raw pair alternate (their order swapping every round) so that
 the machine's other work hits both alike. Per message: client CPU (``time.process_time``, the
@@ -43,6 +47,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import hiredis
 import redis
 
 import taskonce
@@ -86,12 +91,24 @@ def ids(n: int) -> list[str]:
     return [str(uuid.uuid4()) for _ in range(n)]
 
 
+#: The variants per mode, in table order: the guard, redis-py's own calls (what a user writes),
+#: and the same raw commands written down a kept connection (the client's floor).
+LABELS = ("taskonce", "raw", "floor")
+RAW_NAMES = {"eager": "`SET NX PX` + `SET PX`", "lazy": "`GET` + `SET PX`"}
+
+
 def variants(
     store: RedisStore, client: redis.Redis
-) -> tuple[list[taskonce.Guard], dict[str, tuple[Callable[[str], Any], Callable[[str], Any]]]]:
-    """The guards, and (taskonce, hand-written) per mode, each handling one new message id."""
+) -> tuple[list[taskonce.Guard], dict[str, dict[str, Callable[[str], Any]]]]:
+    """The guards, and per mode each variant's handling of one new message id."""
     eager = taskonce.Guard(store, default=taskonce.Policy(mode="eager"))
     lazy = taskonce.Guard(store, default=taskonce.Policy(mode="lazy"))
+    conn: Any = client.connection_pool.get_connection()
+
+    def command(*args: Any) -> Any:
+        # What the store does with its scripts: hiredis packs, no redis-py command path.
+        conn.send_packed_command([hiredis.pack_command(args)])
+        return conn.read_response()
 
     def guarded_eager(mid: str) -> Any:
         return eager.run(mid, QUEUE, noop)
@@ -111,8 +128,23 @@ def variants(
             noop()
             client.set(key, "done", px=KEEP_MS)
 
-    pairs = {"eager": (guarded_eager, raw_eager), "lazy": (guarded_lazy, raw_lazy)}
-    return [eager, lazy], pairs
+    def floor_eager(mid: str) -> None:
+        key = f"raw:{QUEUE}:{mid}"
+        if command("SET", key, "1", "NX", "PX", LEASE_MS):
+            noop()
+            command("SET", key, "done", "PX", KEEP_MS)
+
+    def floor_lazy(mid: str) -> None:
+        key = f"raw:{QUEUE}:{mid}"
+        if command("GET", key) is None:
+            noop()
+            command("SET", key, "done", "PX", KEEP_MS)
+
+    modes = {
+        "eager": {"taskonce": guarded_eager, "raw": raw_eager, "floor": floor_eager},
+        "lazy": {"taskonce": guarded_lazy, "raw": raw_lazy, "floor": floor_lazy},
+    }
+    return [eager, lazy], modes
 
 
 def batch(fn: Callable[[str], Any], n: int) -> tuple[float, float]:
@@ -175,18 +207,18 @@ def main(argv: list[str] | None = None) -> int:
         client = store._client
         guards, pairs = variants(store, client)
         if args.loop:
-            guarded = pairs["eager"][0]
+            guarded = pairs["eager"]["taskonce"]
             for mid in ids(args.loop):
                 guarded(mid)
             return 0
-        for guarded, raw in pairs.values():  # warm-up: connections, scripts loaded
-            batch(guarded, 200)
-            batch(raw, 200)
+        for fns in pairs.values():  # warm-up: connections, scripts loaded
+            for fn in fns.values():
+                batch(fn, 200)
         load0 = os.getloadavg()
         samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for r in range(args.rounds):
-            for mode, (guarded, raw) in pairs.items():
-                order = [("taskonce", guarded), ("raw", raw)]
+            for mode, fns in pairs.items():
+                order = list(fns.items())
                 if r % 2:
                     order.reverse()
                 for label, fn in order:
@@ -195,11 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         for guard in guards:  # its liveness writes would land in the commandstats
             guard._liveness.stop()
         stats = {
-            mode: (
-                server_cost(client, guarded, 5000, process.pid),
-                server_cost(client, raw, 5000, process.pid),
-            )
-            for mode, (guarded, raw) in pairs.items()
+            (mode, label): server_cost(client, fn, 5000, process.pid)
+            for mode, fns in pairs.items()
+            for label, fn in fns.items()
         }
         version = client.info("server")["redis_version"]
         parser_name = type(client.connection_pool.get_connection()._parser).__name__
@@ -223,17 +253,21 @@ def main(argv: list[str] | None = None) -> int:
         "| commands | server µs (commandstats) | server CPU µs | server commands |"
     )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    raw_names = {"eager": "`SET NX PX` + `SET PX`", "lazy": "`GET` + `SET PX`"}
+    names = {
+        "taskonce": "`guard.run`",
+        "raw": "{} (redis-py)",
+        "floor": "{} (kept connection, hiredis packing)",
+    }
     for mode in pairs:
-        for i, label in enumerate(("taskonce", "raw")):
+        for label in LABELS:
             cpu, wall = med(mode, label, 0), med(mode, label, 1)
             ratio_cpu = cpu / med(mode, "raw", 0)
             ratio_wall = wall / med(mode, "raw", 1)
-            commands, usec, names, server_cpu = stats[mode][i]
-            name = "`guard.run`" if label == "taskonce" else raw_names[mode]
+            commands, usec, ran, server_cpu = stats[(mode, label)]
+            name = names[label].format(RAW_NAMES[mode])
             print(
                 f"| {mode} | {name} | {cpu:.0f} | {wall:.0f} | {ratio_cpu:.2f} | "
-                f"{ratio_wall:.2f} | {commands:g} | {usec:.1f} | {server_cpu:.0f} | {names} |"
+                f"{ratio_wall:.2f} | {commands:g} | {usec:.1f} | {server_cpu:.0f} | {ran} |"
             )
     return 0
 
