@@ -48,9 +48,10 @@ class Heartbeat:
         self._watched: dict[int, _Watch] = {}
         self._ids = itertools.count()
         self._wake_at = float("inf")
-        # The shortest renewal interval watched so far: with nothing to renew, the thread looks
-        # again that long after it last looked, so a new watch (due at least that long from
-        # now) need not wake it. Waking it for every delivery would cost a thread switch each.
+        # The shortest renewal interval watched so far. When the last watch goes, the thread
+        # looks once more that long after (a watch made meanwhile is due no sooner, so it need
+        # not wake the thread: waking it for every delivery cost a thread switch each), and
+        # only then sleeps until a watch wakes it.
         self._shortest = float("inf")
         self._thread: threading.Thread | None = None
 
@@ -75,6 +76,7 @@ class Heartbeat:
             self._watched.pop(handle, None)
 
     def _loop(self) -> None:
+        idle = False  # looked once more after the last watch went
         while True:
             with self._cond:
                 while True:
@@ -82,9 +84,14 @@ class Heartbeat:
                     due = [(h, w) for h, w in self._watched.items() if w.due <= now]
                     if due:
                         break
-                    self._wake_at = min(
-                        (w.due for w in self._watched.values()), default=now + self._shortest
-                    )
+                    if self._watched:
+                        idle = False
+                        self._wake_at = min(w.due for w in self._watched.values())
+                    elif not idle:
+                        idle = True
+                        self._wake_at = now + self._shortest
+                    else:
+                        self._wake_at = float("inf")
                     timeout = None if self._wake_at == float("inf") else self._wake_at - now
                     self._cond.wait(timeout)
                 self._wake_at = now
