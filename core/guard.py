@@ -51,6 +51,8 @@ MIN_RETRY_AFTER = 0.1
 _FINAL_WRITE_ATTEMPTS = 3
 #: Claims of a key whose dead owner's claim another delivery took over first, before deferring.
 _TAKE_OVER_ATTEMPTS = 3
+#: Dict overrides applied and kept per guard (Guard.policy_for); the cache starts afresh when full.
+_POLICY_CACHE = 1024
 #: A deferred duplicate of a live owner's claim comes back this long after the owner's liveness
 #: record would lapse, so that it finds the lapse if the owner died meanwhile.
 _LAPSE_MARGIN = 0.5
@@ -244,6 +246,7 @@ class Guard:
         #: how long whoever records sends holds them to publish them itself (RECORDER_HOLD)
         self.recorder_hold = min(self.dispatch_lease, RECORDER_HOLD)
         self._publishers: dict[str, Publisher] = {}
+        self._policies: dict[tuple[str, frozenset[tuple[str, type, Any]]], Policy] = {}
         self._relay_lock = threading.Lock()
         self._relay_thread: tuple[int, threading.Thread, threading.Event] | None = None
         ref = weakref.ref(self)
@@ -481,9 +484,25 @@ class Guard:
 
     def policy_for(self, queue: str, override: Policy | Mapping[str, Any] | None = None) -> Policy:
         """The policy in force for ``queue``, with a per-task ``override`` applied."""
+        if override is None:
+            return self.queues.get(queue, self.default)
+        cache_key = None
+        if isinstance(override, Mapping):
+            # A dict override is checked and applied once per (queue, its items); values are
+            # told apart by type too, so {"enabled": 1} is refused even after {"enabled": True}.
+            try:
+                cache_key = (queue, frozenset((k, type(v), v) for k, v in override.items()))
+                cached = self._policies.get(cache_key)
+            except TypeError:  # an unhashable value: applied each time
+                cache_key = cached = None
+            if cached is not None:
+                return cached
         policy = self.queues.get(queue, self.default).overridden_by(override)
-        if override is not None:
-            self._check_store_supports(policy)
+        self._check_store_supports(policy)
+        if cache_key is not None:
+            if len(self._policies) >= _POLICY_CACHE:
+                self._policies.clear()
+            self._policies[cache_key] = policy
         return policy
 
     def _check_store_supports(self, policy: Policy) -> None:

@@ -48,6 +48,11 @@ class Heartbeat:
         self._watched: dict[int, _Watch] = {}
         self._ids = itertools.count()
         self._wake_at = float("inf")
+        # The shortest renewal interval watched so far. When the last watch goes, the thread
+        # looks once more that long after (a watch made meanwhile is due no sooner, so it need
+        # not wake the thread: waking it for every delivery cost a thread switch each), and
+        # only then sleeps until a watch wakes it.
+        self._shortest = float("inf")
         self._thread: threading.Thread | None = None
 
     def watch(self, lease: float, renew: Renew) -> int:
@@ -57,6 +62,7 @@ class Heartbeat:
         with self._cond:
             handle = next(self._ids)
             self._watched[handle] = _Watch(due, interval, renew)
+            self._shortest = min(self._shortest, interval)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
@@ -70,6 +76,7 @@ class Heartbeat:
             self._watched.pop(handle, None)
 
     def _loop(self) -> None:
+        idle = False  # looked once more after the last watch went
         while True:
             with self._cond:
                 while True:
@@ -77,9 +84,14 @@ class Heartbeat:
                     due = [(h, w) for h, w in self._watched.items() if w.due <= now]
                     if due:
                         break
-                    self._wake_at = min(
-                        (w.due for w in self._watched.values()), default=float("inf")
-                    )
+                    if self._watched:
+                        idle = False
+                        self._wake_at = min(w.due for w in self._watched.values())
+                    elif not idle:
+                        idle = True
+                        self._wake_at = now + self._shortest
+                    else:
+                        self._wake_at = float("inf")
                     timeout = None if self._wake_at == float("inf") else self._wake_at - now
                     self._cond.wait(timeout)
                 self._wake_at = now

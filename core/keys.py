@@ -12,6 +12,11 @@ from taskonce.errors import InvalidInput
 from taskonce.stores.base import MAX_KEY_LENGTH
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
+# Canonical JSON of a payload. One encoder for every call: json.dumps with any non-default
+# option builds a new JSONEncoder each time, a measurable share of a guarded delivery.
+_CANONICAL = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+)
 
 
 def _escape_queue(queue: str) -> str:
@@ -66,13 +71,7 @@ def fingerprint(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> st
     matter. Arguments JSON cannot represent raise :class:`InvalidInput`.
     """
     try:
-        text = json.dumps(
-            [task, list(args), dict(kwargs)],
-            sort_keys=True,
-            separators=(",", ":"),
-            ensure_ascii=False,
-            allow_nan=False,
-        )
+        text = _CANONICAL.encode([task, list(args), dict(kwargs)])
     except (TypeError, ValueError) as exc:
         raise InvalidInput(
             f"arguments of task {task!r} cannot be fingerprinted as JSON ({exc}); pass "

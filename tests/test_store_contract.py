@@ -198,7 +198,11 @@ def test_expired_mark_counts_as_nothing(store: Store) -> None:
     key, other = new_key(), new_key()
     store.mark(key, 0.3, "fp", None)
     store.mark(other, 0.3, "fp", None)
+    marked = time.monotonic()  # ``other`` expires by then + 0.3 s: it was written before
     wait_for(lambda: store.get(key) is None, timeout=10, what="mark to expire")
+    # ``other`` is never read before its mark below; it was written a moment after ``key`` (a
+    # moment that a loaded machine can stretch), so wait out its own expiry too.
+    wait_for(lambda: time.monotonic() > marked + 0.35, timeout=10, what="other mark to expire")
     assert store.claim(key, "A", LONG, DAY, "other-fp").outcome is ClaimOutcome.CLAIMED
     assert store.mark(other, DAY, "fp", None) is True
 

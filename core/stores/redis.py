@@ -9,7 +9,6 @@ Each record is one Redis hash at ``f"{prefix}:{key}"`` with the fields
 ``rs``     the handler's JSON result (absent when None)
 ``ca``     created at, milliseconds since the epoch by the Redis clock
 ``lu``     lease until, ms (claims; kept by a completion, so only a lazy mark lacks it)
-``ex``     expires at, ms; the key carries the same instant as its Redis expiry (``PEXPIREAT``)
 ``wk``     the claim owner's worker identity (claims only; absent when not given)
 ``sd``     deferred sends still to publish: a JSON array of the sends' JSON texts (status
            ``"p"``: completed, sends pending; back to ``"c"`` once they are published)
@@ -34,11 +33,15 @@ is picked so that the buckets' slots are spread evenly over the 16384 slots (so 
 masters). A record and its index always move together in a resharding. The relay reads the
 buckets' indexes in one pipeline per node.
 
-Every decision is taken inside a Lua script that reads the clock with ``redis.call('TIME')``,
-so leases and retention are judged by the Redis server's clock, never by a worker's. Every
-script touches the one key it is given in ``KEYS`` and, for the hand-off, that key's sends
-index, in the same hash slot, so the store works on Redis Cluster and with replicas (effects
-replication).
+A record's expiry is the key's own (set with ``PEXPIRE``, relative to the Redis server's
+clock); a record past it is absent for every script, and a read reports it as ``expires_at``
+(``now`` + ``PTTL``). Records written before 0.1.0 by a layout that also kept it in an ``ex``
+field are read the same way (the field is ignored). Every decision is taken inside a Lua
+script, and a script that writes a time into a record (a claim's lease end, a mark's creation)
+reads the clock with ``redis.call('TIME')``, so leases and retention are judged by the Redis
+server's clock, never by a worker's. Every script touches the one key it is given in ``KEYS``
+and, for the hand-off, that key's sends index, in the same hash slot, so the store works on
+Redis Cluster and with replicas (effects replication).
 Redis deletes expired records itself, which is why :meth:`RedisStore.purge` has nothing to do.
 
 Fork safety: redis-py's ``ConnectionPool`` remembers the pid that created it and, on every
@@ -76,6 +79,11 @@ from redis.backoff import NoBackoff
 from redis.commands.core import Script
 from redis.retry import Retry
 
+try:  # the redis extra installs it (redis[hiredis]); redis-py works without it
+    import hiredis as _hiredis
+except ImportError:  # pragma: no cover - depends on the installation
+    _hiredis = None  # type: ignore[assignment]
+
 from taskonce.errors import ConfigError, LeaseLost, StoreUnavailable
 from taskonce.stores import redact
 from taskonce.stores.base import (
@@ -91,6 +99,8 @@ from taskonce.stores.base import (
 from taskonce.stores.options import check_names, own_value, single_values
 
 logger = logging.getLogger(__name__)
+
+_PACK_COMMAND: Callable[[tuple[Any, ...]], bytes] | None = getattr(_hiredis, "pack_command", None)
 
 T = TypeVar("T")
 
@@ -110,47 +120,49 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     redis.exceptions.ChildDeadlockedError,
 )
 
-# Shared prologue of every script: Redis < 5 needs effects replication switched on before a
-# script may write after the non-deterministic TIME; later versions always do it (no-op).
-# ``now`` is the Redis server's clock in milliseconds.
-_PROLOGUE = """
+# Shared head of every script: Redis < 5 needs effects replication switched on before a script
+# may write after the non-deterministic TIME; later versions always do it (no-op).
+_HEAD = """
 if redis.replicate_commands then redis.replicate_commands() end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function ms(x) return string.format('%.0f', x) end
 """
+# ``now``: the Redis server's clock in milliseconds. Read only by the scripts that write a time
+# into a record (a claim's lease end, a mark's creation): an expiry is set relative to the
+# server's clock (PEXPIRE), and a record past its expiry is absent for every script.
+_CLOCK = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+_PROLOGUE = _HEAD + _CLOCK
 
 # KEYS[1] record; ARGV owner, lease_ms, keep_ms, has_fp ("1"/"0"), fp, worker ("" = none).
 # Reply: 1 claimed, 2 taken over, or {now, st, ow, fp, rs, ca, lu, ex, wk} for "exists".
 _CLAIM = (
-    _PROLOGUE
+    _HEAD
     + """
-local h = redis.call('HMGET', KEYS[1], 'st', 'ow', 'fp', 'rs', 'ca', 'lu', 'ex', 'wk')
+local h = redis.call('HMGET', KEYS[1], 'st', 'ow', 'fp', 'rs', 'ca', 'lu', 'wk')
+"""
+    + _CLOCK
+    + """
 local outcome = 1
 local created = now
 if h[1] then
-  if tonumber(h[7]) > now then
-    local expired_claim = h[1] == 'i' and tonumber(h[6]) <= now
-    local same_payload = (not h[3]) or ARGV[4] ~= '1' or h[3] == ARGV[5]
-    if not (expired_claim and same_payload) then
-      return {now, h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8]}
-    end
-    outcome = 2
-    created = tonumber(h[5])
+  local expired_claim = h[1] == 'i' and tonumber(h[6]) <= now
+  local same_payload = (not h[3]) or ARGV[4] ~= '1' or h[3] == ARGV[5]
+  if not (expired_claim and same_payload) then
+    local ex = ms(now + redis.call('PTTL', KEYS[1]))
+    return {now, h[1], h[2], h[3], h[4], h[5], h[6], ex, h[7]}
   end
+  outcome = 2
+  created = tonumber(h[5])
   redis.call('DEL', KEYS[1])
 end
-local lease_until = now + tonumber(ARGV[2])
-local expires = lease_until + tonumber(ARGV[3])
-if ARGV[4] == '1' then
-  redis.call('HSET', KEYS[1], 'st', 'i', 'ow', ARGV[1], 'ca', ms(created),
-             'lu', ms(lease_until), 'ex', ms(expires), 'fp', ARGV[5])
-else
-  redis.call('HSET', KEYS[1], 'st', 'i', 'ow', ARGV[1], 'ca', ms(created),
-             'lu', ms(lease_until), 'ex', ms(expires))
-end
-if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'wk', ARGV[6]) end
-redis.call('PEXPIREAT', KEYS[1], ms(expires))
+local lease = tonumber(ARGV[2])
+local f = {'st', 'i', 'ow', ARGV[1], 'ca', ms(created), 'lu', ms(now + lease)}
+if ARGV[4] == '1' then f[#f + 1] = 'fp'; f[#f + 1] = ARGV[5] end
+if ARGV[6] ~= '' then f[#f + 1] = 'wk'; f[#f + 1] = ARGV[6] end
+redis.call('HSET', KEYS[1], unpack(f))
+redis.call('PEXPIRE', KEYS[1], lease + tonumber(ARGV[3]))
 return outcome
 """
 )
@@ -158,15 +170,15 @@ return outcome
 # KEYS[1] record; ARGV old owner, new owner, lease_ms, keep_ms, worker. Reply 1 taken over, 0
 # the live record is not old owner's claim (nothing changed).
 _TAKE_OVER = (
-    _PROLOGUE
+    _HEAD
     + """
-local h = redis.call('HMGET', KEYS[1], 'st', 'ow', 'ex')
-if not h[1] or tonumber(h[3]) <= now or h[1] ~= 'i' or h[2] ~= ARGV[1] then return 0 end
-local lease_until = now + tonumber(ARGV[3])
-local expires = lease_until + tonumber(ARGV[4])
-redis.call('HSET', KEYS[1], 'ow', ARGV[2], 'wk', ARGV[5], 'lu', ms(lease_until),
-           'ex', ms(expires))
-redis.call('PEXPIREAT', KEYS[1], ms(expires))
+local h = redis.call('HMGET', KEYS[1], 'st', 'ow')
+if h[1] ~= 'i' or h[2] ~= ARGV[1] then return 0 end
+"""
+    + _CLOCK
+    + """
+redis.call('HSET', KEYS[1], 'ow', ARGV[2], 'wk', ARGV[5], 'lu', ms(now + tonumber(ARGV[3])))
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[4]))
 return 1
 """
 )
@@ -195,36 +207,38 @@ return {now, h[1], h[2]}
 # Fencing shared by complete, release and renew: the live record must be a claim of ARGV[1].
 # (Like the memory store, a claim whose lease ran out but was not taken over is still owned.)
 _OWNED = """
-local h = redis.call('HMGET', KEYS[1], 'st', 'ow', 'lu', 'ex')
-if not h[1] or tonumber(h[4]) <= now or h[1] ~= 'i' or h[2] ~= ARGV[1] then return 0 end
+local h = redis.call('HMGET', KEYS[1], 'st', 'ow', 'lu')
+if h[1] ~= 'i' or h[2] ~= ARGV[1] then return 0 end
 """
 
 # KEYS[1] record; ARGV owner, keep_ms, has_result ("1"/"0"), result. Reply 1 done, 0 not owner.
-_COMPLETE = (
-    _PROLOGUE
-    + _OWNED
-    + """
-local expires = now + tonumber(ARGV[2])
+# The record's expiry moves to keep_ms from now by the server's clock: no TIME needed.
+_COMPLETE_BODY = """
 if ARGV[3] == '1' then
   redis.call('HDEL', KEYS[1], 'ow', 'wk')
-  redis.call('HSET', KEYS[1], 'st', 'c', 'ex', ms(expires), 'rs', ARGV[4])
+  redis.call('HSET', KEYS[1], 'st', 'c', 'rs', ARGV[4])
 else
   redis.call('HDEL', KEYS[1], 'ow', 'rs', 'wk')
-  redis.call('HSET', KEYS[1], 'st', 'c', 'ex', ms(expires))
+  redis.call('HSET', KEYS[1], 'st', 'c')
 end
-redis.call('PEXPIREAT', KEYS[1], ms(expires))
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
-)
+_COMPLETE = _HEAD + _OWNED + _COMPLETE_BODY
 
 # The hand-off variants, used only when the handler sent something (a task that sends nothing
 # runs the plain scripts, with not one argument more). Extra ARGV: index, sends JSON, member
 # (the key without prefix), for marks the dispatch token, then the recorder's dispatch lease
 # (ms): the recorder holds the sends while it publishes them, so a redelivery waits.
-_COMPLETE_SENDS = _COMPLETE.replace(
-    "'st', 'c'",
-    "'st', 'p', 'sd', ARGV[6], 'sk', ARGV[1], 'sa', ms(now), 'sl', ms(now + tonumber(ARGV[8]))",
-).replace("return 1\n", "redis.call('ZADD', ARGV[5], now, ARGV[7])\nreturn 1\n")
+_COMPLETE_SENDS = (
+    _HEAD
+    + _OWNED
+    + _CLOCK
+    + _COMPLETE_BODY.replace(
+        "'st', 'c'",
+        "'st', 'p', 'sd', ARGV[6], 'sk', ARGV[1], 'sa', ms(now), 'sl', ms(now + tonumber(ARGV[8]))",
+    ).replace("return 1\n", "redis.call('ZADD', ARGV[5], now, ARGV[7])\nreturn 1\n")
+)
 
 # KEYS[1] record; ARGV token, lease_ms, min_age_ms, index, member. Reply: 0 nothing to take
 # (none pending, or too young), {ms} another dispatcher's lease has ms left, or the sends JSON.
@@ -269,7 +283,7 @@ return 1
 
 # KEYS[1] record; ARGV owner. Reply 1 deleted, 0 not owner.
 _RELEASE = (
-    _PROLOGUE
+    _HEAD
     + _OWNED
     + """
 redis.call('DEL', KEYS[1])
@@ -280,12 +294,13 @@ return 1
 # KEYS[1] record; ARGV owner, lease_ms. The expiry moves by as much as the lease end moves
 # forward, so a renewed claim still outlives its lease by keep_for. Reply 1 renewed, 0 not owner.
 _RENEW = (
-    _PROLOGUE
+    _HEAD
     + _OWNED
+    + _CLOCK
     + """
 local lease_until = now + tonumber(ARGV[2])
-local expires = tonumber(h[4]) + math.max(0, lease_until - tonumber(h[3]))
-redis.call('HSET', KEYS[1], 'lu', ms(lease_until), 'ex', ms(expires))
+local expires = now + redis.call('PTTL', KEYS[1]) + math.max(0, lease_until - tonumber(h[3]))
+redis.call('HSET', KEYS[1], 'lu', ms(lease_until))
 redis.call('PEXPIREAT', KEYS[1], ms(expires))
 return 1
 """
@@ -293,34 +308,41 @@ return 1
 
 # KEYS[1] record; ARGV keep_ms, has_fp, fp, has_result, result. Reply 1 written, 0 a live
 # record exists (nothing changed).
-_MARK = (
-    _PROLOGUE
-    + """
-local h = redis.call('HMGET', KEYS[1], 'st', 'ex')
-if h[1] and tonumber(h[2]) > now then return 0 end
-local expires = now + tonumber(ARGV[1])
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'st', 'c', 'ca', ms(now), 'ex', ms(expires))
-if ARGV[2] == '1' then redis.call('HSET', KEYS[1], 'fp', ARGV[3]) end
-if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'rs', ARGV[5]) end
-redis.call('PEXPIREAT', KEYS[1], ms(expires))
+_MARK_BODY = """
+local f = {'st', 'c', 'ca', ms(now)}
+if ARGV[2] == '1' then f[#f + 1] = 'fp'; f[#f + 1] = ARGV[3] end
+if ARGV[4] == '1' then f[#f + 1] = 'rs'; f[#f + 1] = ARGV[5] end
+redis.call('HSET', KEYS[1], unpack(f))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
+_MARK_FREE = """
+if redis.call('HGET', KEYS[1], 'st') then return 0 end
+"""
+_MARK = _HEAD + _MARK_FREE + _CLOCK + _MARK_BODY
+_MARK_SENDS = (
+    _HEAD
+    + _MARK_FREE
+    + _CLOCK
+    + _MARK_BODY.replace(
+        "'st', 'c', 'ca', ms(now)",
+        "'st', 'p', 'ca', ms(now), 'sd', ARGV[7], 'sk', ARGV[9], 'sa', ms(now),"
+        " 'sl', ms(now + tonumber(ARGV[10]))",
+    ).replace("return 1\n", "redis.call('ZADD', ARGV[6], now, ARGV[8])\nreturn 1\n")
 )
-_MARK_SENDS = _MARK.replace(
-    "'st', 'c', 'ca', ms(now)",
-    "'st', 'p', 'ca', ms(now), 'sd', ARGV[7], 'sk', ARGV[9], 'sa', ms(now),"
-    " 'sl', ms(now + tonumber(ARGV[10]))",
-).replace("return 1\n", "redis.call('ZADD', ARGV[6], now, ARGV[8])\nreturn 1\n")
 
-# KEYS[1] record. Reply: nil when absent or expired, else {now, st, ow, fp, rs, ca, lu, ex, wk,
-# sd}.
+# KEYS[1] record. Reply: nil when absent (a record past its expiry is), else {now, st, ow, fp,
+# rs, ca, lu, ex, wk, sd}. Nothing recorded (a lazy first delivery) costs one HMGET.
 _GET = (
-    _PROLOGUE
+    _HEAD
     + """
-local h = redis.call('HMGET', KEYS[1], 'st', 'ow', 'fp', 'rs', 'ca', 'lu', 'ex', 'wk', 'sd')
-if not h[1] or tonumber(h[7]) <= now then return false end
-return {now, h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8], h[9]}
+local h = redis.call('HMGET', KEYS[1], 'st', 'ow', 'fp', 'rs', 'ca', 'lu', 'wk', 'sd')
+if not h[1] then return false end
+"""
+    + _CLOCK
+    + """
+local ex = ms(now + redis.call('PTTL', KEYS[1]))
+return {now, h[1], h[2], h[3], h[4], h[5], h[6], ex, h[7], h[8]}
 """
 )
 
@@ -439,6 +461,7 @@ class _SharedTrips:
         client: redis.Redis,
         wait: tuple[int, int] | None = None,
         reads: frozenset[str] = frozenset(),
+        own_connection: bool = False,
     ) -> None:
         self._client = client
         # ``min_replicas``: (replicas, timeout ms) for a WAIT after the writes of each round
@@ -446,14 +469,20 @@ class _SharedTrips:
         # the SHA1s of the scripts that write nothing.
         self._wait = wait
         self._reads = reads
+        # A lone call goes down a connection this line keeps (see _send_own) instead of
+        # through redis-py's command path; only for a client the store opened itself.
+        self._own_connection = own_connection
         self._reset()
         _FORKED.add(self)
 
     def _reset(self) -> None:
-        # After a fork the parent's threads do not exist in the child: no queue, no sender.
+        # After a fork the parent's threads do not exist in the child: no queue, no sender,
+        # and the parent's connection is not this process's to use (the pool opens new ones).
         self._lock = threading.Lock()
         self._queued: list[_Call] = []
         self._busy = False
+        self._conn: Any = None
+        self._pack: Callable[[Any, tuple[Any, ...]], list[bytes]] = _redis_py_pack
 
     def run(self, script: Script, name: str, args: Sequence[Any]) -> _Call:
         """Run ``script`` on key ``name``; the returned call holds its reply or its error."""
@@ -490,6 +519,9 @@ class _SharedTrips:
         waits = self._wait is not None and any(c.script.sha not in self._reads for c in batch)
         if len(batch) == 1 and not waits:
             self._send_one(batch[0])
+            return
+        if self._own_connection and not waits:
+            self._send_own_batch(batch)
             return
         pipe = self._client.pipeline(transaction=False)
         for call in batch:
@@ -545,6 +577,9 @@ class _SharedTrips:
                 call.answer(reply)
 
     def _send_one(self, call: _Call) -> None:
+        if self._own_connection:
+            self._send_own(call)
+            return
         try:
             try:
                 reply = self._client.evalsha(call.script.sha, 1, call.name, *call.args)
@@ -554,6 +589,110 @@ class _SharedTrips:
             call.answer(error=exc)
         else:
             call.answer(reply)
+
+    def _send_own(self, call: _Call) -> None:
+        """Send one EVALSHA down the connection this line keeps from the pool.
+
+        Only the current sender of this line uses it, so it needs no pool checkout per call:
+        redis-py's command path (pool checkout and return, each with a pid check, a lock, a
+        poll of the socket and observability counters; the retry wrapper; the response
+        callbacks) costs about as much client CPU as the round trip's own system calls
+        (``bench/guard_cpu.py``, docs/performance.md). What it keeps: the connection's own retry
+        policy (the store's client retries once after a connection error, never after a
+        timeout), the script loaded again after a ``NoScriptError``, and a connection that
+        failed in any other way goes back to the pool disconnected (a Sentinel pool then finds
+        the current master for the next one). The EVALSHA reply has no response callback in
+        redis-py, so the parser's reply is the reply."""
+        conn = self._conn
+        try:
+            if conn is None:
+                conn = self._conn = self._client.connection_pool.get_connection()
+                self._pack = _fast_packer(conn)
+            packed = self._pack(conn, ("EVALSHA", call.script.sha, 1, call.name, *call.args))
+
+            def attempt() -> Any:
+                conn.send_packed_command(packed)
+                return conn.read_response()
+
+            reply = conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
+        except redis.exceptions.NoScriptError:
+            try:  # Script.__call__ loads it (after a restart or SCRIPT FLUSH)
+                reply = call.script(keys=[call.name], args=list(call.args))
+            except Exception as exc:
+                call.answer(error=exc)
+                return
+        except BaseException as exc:
+            self._drop_connection()
+            if not isinstance(exc, Exception):
+                raise  # an interruption: the caller's handler answers the call
+            call.answer(error=exc)
+            return
+        call.answer(reply)
+
+    def _send_own_batch(self, batch: list[_Call]) -> None:
+        """Send a shared round trip down the kept connection: every call's EVALSHA in one
+        write, then their replies read in order (what redis-py's pipeline does, without its
+        command path per call). A call whose arguments cannot be encoded fails alone; the
+        round trip is retried as the connection's retry policy says, like a pipeline."""
+        conn = self._conn
+        sendable: list[_Call] = []
+        try:
+            if conn is None:
+                conn = self._conn = self._client.connection_pool.get_connection()
+                self._pack = _fast_packer(conn)
+            packed: list[bytes] = []
+            for call in batch:
+                try:
+                    packed += self._pack(
+                        conn, ("EVALSHA", call.script.sha, 1, call.name, *call.args)
+                    )
+                except (redis.exceptions.DataError, UnicodeError) as exc:
+                    call.answer(error=exc)
+                    continue
+                sendable.append(call)
+            if not sendable:
+                return
+
+            def attempt() -> list[Any]:
+                conn.send_packed_command(packed)
+                replies: list[Any] = []
+                for _ in sendable:
+                    try:
+                        replies.append(conn.read_response())
+                    except redis.exceptions.ResponseError as exc:  # this call's own error
+                        replies.append(exc)
+                return replies
+
+            replies = conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
+        except BaseException as exc:
+            self._drop_connection()
+            if not isinstance(exc, Exception):
+                raise  # an interruption: the sender's handler answers the calls
+            for call in sendable:
+                call.answer(
+                    error=exc if call is sendable[0] or _cannot_answer(exc) else _shared(exc)
+                )
+            return
+        if any(_cannot_answer(reply) for reply in replies if isinstance(reply, BaseException)):
+            self._drop_connection()  # e.g. a master demoted by a failover: find the new one
+        for call, reply in zip(sendable, replies, strict=True):
+            if isinstance(reply, redis.exceptions.NoScriptError):
+                self._send_own(call)  # loads the script (after a restart or SCRIPT FLUSH)
+            elif isinstance(reply, BaseException):
+                call.answer(error=reply)
+            else:
+                call.answer(reply)
+
+    def _drop_connection(self) -> None:
+        """Give the kept connection back to the pool, disconnected: after an error its state
+        (a reply half read, a demoted master) is unknown."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            conn.disconnect()
+        finally:
+            self._client.connection_pool.release(conn)
 
     def _hand_over(self, sender: _Call) -> None:
         """The sender's last step: wake every caller of its batch (one not answered gets a
@@ -591,6 +730,33 @@ class _SharedTrips:
             leads = call.leads
         if leads:
             self._hand_over(call)
+
+
+def _redis_py_pack(conn: Any, command: tuple[Any, ...]) -> list[bytes]:
+    packed: list[bytes] = conn.pack_command(*command)
+    return packed
+
+
+def _hiredis_pack(_conn: Any, command: tuple[Any, ...]) -> list[bytes]:
+    assert _PACK_COMMAND is not None  # _fast_packer chose this packer
+    try:
+        return [_PACK_COMMAND(command)]
+    except TypeError as exc:  # what redis-py's own packer turns it into
+        raise redis.exceptions.DataError(str(exc)) from None
+
+
+def _fast_packer(conn: Any) -> Callable[[Any, tuple[Any, ...]], list[bytes]]:
+    """How to pack commands for ``conn``: hiredis' ``pack_command`` straight away where it
+    encodes text as the connection would (UTF-8, strict), else redis-py's packer, which does
+    the same through several Python calls per argument (about 11 µs against 2 µs for a
+    claim's ten)."""
+    encoder = getattr(conn, "encoder", None)
+    utf8 = (
+        encoder is not None
+        and str(encoder.encoding).lower().replace("-", "").replace("_", "") == "utf8"
+        and encoder.encoding_errors == "strict"
+    )
+    return _hiredis_pack if _PACK_COMMAND is not None and utf8 else _redis_py_pack
 
 
 class _OneTrip:
@@ -818,7 +984,7 @@ class RedisStore(Store):
         self._complete_sends = self._client.register_script(_COMPLETE_SENDS)
         self._mark_sends = self._client.register_script(_MARK_SENDS)
         self._take_sends = self._client.register_script(_TAKE_SENDS)
-        self._dispatched_script = self._client.register_script(_PROLOGUE + _DISPATCHED)
+        self._dispatched_script = self._client.register_script(_HEAD + _DISPATCHED)
         self._pending = self._client.register_script(_PENDING)
         self._forget = self._client.register_script(_FORGET)
         self._cluster = isinstance(self._client, redis.cluster.RedisCluster)
@@ -842,7 +1008,13 @@ class RedisStore(Store):
         else:
             wait = (replicas, max(1, round(socket_timeout * 500))) if replicas else None
             reads = frozenset(script.sha for script in (self._get, self._seen, self._pending))
-            self._trips = _SharedTrips(self._client, wait, reads)
+            # The line keeps one of the pool's connections: not where a pool of one or two
+            # (``?max_connections=``) would leave the store's other commands none.
+            own = (
+                self._owns_client
+                and getattr(self._client.connection_pool, "max_connections", 0) > 2
+            )
+            self._trips = _SharedTrips(self._client, wait, reads, own_connection=own)
         logger.debug("opened %s", self.describe())
 
     def _open(self, url: str, socket_timeout: float) -> redis.Redis:
@@ -1208,7 +1380,7 @@ class RedisStore(Store):
         return None if reply is None else self._record(key, reply)
 
     def purge(self, batch: int = 1000) -> int:
-        """Always 0: every record carries a Redis expiry (``PEXPIREAT`` at its ``expires_at``),
+        """Always 0: every record carries a Redis expiry (at its ``expires_at``),
         so Redis deletes expired records itself, and every script also treats a record whose
         ``expires_at`` has passed as absent. There is never anything left for a purge."""
         return 0
@@ -1264,7 +1436,7 @@ class RedisStore(Store):
         (every master, on a cluster) and one pipelined ``HMGET`` per batch of 1000 keys, judged
         by the Redis clock."""
         pattern = self._pattern(key_prefix)
-        fields = ("st", "ow", "fp", "rs", "ca", "lu", "ex")
+        fields = ("st", "ow", "fp", "rs", "ca", "lu")
 
         def batches() -> Iterator[list[Record]]:
             names: list[Any] = []
@@ -1291,19 +1463,21 @@ class RedisStore(Store):
             pipe.time()
         for name in names:
             pipe.hmget(name, fields)
+            pipe.pttl(name)  # the record's expiry is the key's own
         replies = pipe.execute(raise_on_error=False)
         if not self._cluster:
             (seconds, micros), *replies = replies
         now = int(seconds) * 1000 + int(micros) // 1000
         found = []
-        for name, values in zip(names, replies, strict=True):
+        for i, name in enumerate(names):
+            values, ttl = replies[2 * i], replies[2 * i + 1]
             if isinstance(values, Exception) or _text(values[0]) not in _STATUS:
                 continue  # gone meanwhile, or a foreign key under our prefix
-            if int(_text(values[6]) or 0) <= now:
-                continue
+            if isinstance(ttl, Exception) or int(ttl) < 0:
+                continue  # expired meanwhile (-2), or not a record of this store (-1)
             key = self._key_of(_text(name) or "")
             if key.startswith(key_prefix):
-                found.append(self._record(key, [now, *values]))
+                found.append(self._record(key, [now, *values, str(now + int(ttl))]))
         return found
 
     def close(self) -> None:
