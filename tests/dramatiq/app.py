@@ -148,6 +148,17 @@ class Runs:
             self._local.conn = conn
         return conn
 
+    def committed(self, table: str) -> int:
+        """Committed rows of the current message in ``table`` (an effects table)."""
+        if not _TABLE.match(table):
+            raise ValueError(f"bad table name {table!r}")
+        message = CurrentMessage.get_current_message()
+        message_id = message.message_id if message is not None else "?"
+        with self.connection().cursor() as cur:
+            cur.execute(f"SELECT count(*) FROM {table} WHERE message_id = %s", (message_id,))
+            row = cur.fetchone()
+        return int(row[0]) if row else 0
+
     def record(self, table: str) -> int:
         """Insert one run of the current message; the number of runs of it so far."""
         if not _TABLE.match(table):
@@ -400,6 +411,26 @@ def build(config: Config) -> App:
         @actor(txn, idempotency=False)
         def ping_txn(table: str) -> None:
             runs.record(table)
+
+        @actor(
+            txn,
+            idempotency={"mode": "lazy", "transactional": True, "check_first": False},
+            max_retries=0,
+        )
+        def opt_charge(
+            table: str, effects: str, amount: int, hang_first: bool = False, wait_other: bool = False
+        ) -> None:
+            """Optimistic (check_first=False): writes its effect through the guard's
+            transaction; the first run hangs (to be SIGKILLed) or, holding its uncommitted row,
+            waits until another run of the message has committed its own."""
+            _write_effect(effects, amount)
+            run = runs.record(table)
+            if hang_first and run == 1:
+                time.sleep(60)
+            if wait_other and run == 1:
+                deadline = time.monotonic() + 60
+                while runs.committed(effects) == 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
 
     return App(config, broker, guard, actors, results)
 
