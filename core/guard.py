@@ -736,9 +736,7 @@ class Guard:
                 recorded = wrote
                 conflict = not wrote and not policy.check_first
                 if not conflict:
-                    self._emit(
-                        "marked" if wrote else "concurrent_duplicate", ticket, duration=True
-                    )
+                    self._emit("marked" if wrote else "concurrent_duplicate", ticket, duration=True)
         except LeaseLost:
             if not ticket.lost:
                 ticket.lost = True
@@ -860,12 +858,7 @@ class Guard:
             self.fail(ticket, exc)
             raise
         self.finish(ticket, value)
-        if ticket.decision is Decision.SKIP:  # check_first=False: a duplicate, rolled back
-            return Outcome("skipped", ticket.stored_result, ticket.key)
-        if ticket.decision is Decision.DEFER:
-            assert ticket.key is not None
-            raise InProgressElsewhere(ticket.key, ticket.retry_after)
-        return Outcome("ran", value, ticket.key)
+        return _finished(ticket, value)
 
     def run(
         self, message_id: str, queue: str, fn: Callable[..., T], *args: Any, **kwargs: Any
@@ -1051,6 +1044,17 @@ def _reset(var: contextvars.ContextVar[Any], token: contextvars.Token[Any]) -> N
         var.reset(token)
     except ValueError:
         var.set(None)
+
+
+def _finished(ticket: Ticket, value: Any) -> Outcome:
+    """The outcome of a delivery whose handler ran and was finished: with ``check_first=False``
+    :meth:`Guard.finish` may have found it a duplicate and rolled it back."""
+    if ticket.decision is Decision.SKIP:
+        return Outcome("skipped", ticket.stored_result, ticket.key)
+    if ticket.decision is Decision.DEFER:
+        assert ticket.key is not None
+        raise InProgressElsewhere(ticket.key, ticket.retry_after)
+    return Outcome("ran", value, ticket.key)
 
 
 def _encode(result: Any, ticket: Ticket) -> tuple[str | None, InvalidInput | None]:

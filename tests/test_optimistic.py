@@ -308,3 +308,15 @@ def test_a_failing_body_leaves_nothing_and_the_retry_commits(db: tuple[SQLStore,
     assert store.get("pay:m1") is None
     assert guard.run("m1", "pay", write, effects, "m1", "ok").status == "ran"
     assert rows(store, effects) == [("m1", "ok")]
+
+
+def test_a_live_claim_of_the_key_defers_the_rolled_back_run(db: tuple[SQLStore, str]) -> None:
+    """The key is held by another owner's live claim (an eager policy on the same key): the
+    run is rolled back and deferred until the claim's lease is out, as a look-up would have."""
+    store, effects = db
+    guard = Guard(store, default=OPTIMISTIC)
+    store.claim("pay:m1", "someone-else", 30, 100, None)
+    with pytest.raises(taskonce.InProgressElsewhere) as caught:
+        guard.run("m1", "pay", write, effects, "m1", "x")
+    assert 0 < caught.value.retry_after <= 30
+    assert rows(store, effects) == []
