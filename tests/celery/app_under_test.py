@@ -247,7 +247,9 @@ if SQL_STORE:
             time.sleep(120)  # the test SIGKILLs this child: the insert above never commits
         if wait_other and runs == 1:
             deadline = time.monotonic() + 60
-            while _committed(effects, label) == 0 and time.monotonic() < deadline:
+            while _committed(effects, label) == 0:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("no other run of this label committed meanwhile")
                 time.sleep(0.05)
         return label
 

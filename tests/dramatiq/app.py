@@ -429,7 +429,9 @@ def build(config: Config) -> App:
                 time.sleep(60)
             if wait_other and run == 1:
                 deadline = time.monotonic() + 60
-                while runs.committed(effects) == 0 and time.monotonic() < deadline:
+                while runs.committed(effects) == 0:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("no other run of this message committed meanwhile")
                     time.sleep(0.05)
 
     return App(config, broker, guard, actors, results)
