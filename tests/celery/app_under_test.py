@@ -234,8 +234,10 @@ if SQL_STORE:
         wait_other: bool = False,
     ) -> str:
         """Optimistic (check_first=False): counts its run, writes one row into ``effects``
-        through the guard's transaction; the first run hangs (to be SIGKILLed) or, holding its
-        uncommitted row, waits until another run of ``label`` has committed its own."""
+        through the guard's transaction; the first run hangs (to be SIGKILLed). With
+        ``wait_other`` one of two concurrent runs (the one that takes an advisory lock on the
+        task id) holds its uncommitted row until the other has committed its own, and fails if
+        that never happens."""
         from sqlalchemy import text
 
         if not _TABLE.match(effects):
@@ -245,13 +247,26 @@ if SQL_STORE:
         session.execute(text(f"INSERT INTO {effects} (label) VALUES (:label)"), {"label": label})
         if hang_first and runs == 1:
             time.sleep(120)  # the test SIGKILLs this child: the insert above never commits
-        if wait_other and runs == 1:
-            deadline = time.monotonic() + 60
-            while _committed(effects, label) == 0:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("no other run of this label committed meanwhile")
-                time.sleep(0.05)
+        if wait_other and _lock(self.request.id):
+            try:
+                deadline = time.monotonic() + 60
+                while _committed(effects, label) == 0:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("no other run of this label committed meanwhile")
+                    time.sleep(0.05)
+            finally:
+                _lock(self.request.id, release=True)
         return label
+
+
+def _lock(name: str, release: bool = False) -> bool:
+    """Take (or release) a session-level advisory lock named ``name`` on this process's
+    connection: of two processes running at once, exactly one takes it."""
+    call = "pg_advisory_unlock" if release else "pg_try_advisory_lock"
+    with _db().cursor() as cur:
+        cur.execute(f"SELECT {call}(hashtext(%s))", (name,))
+        row = cur.fetchone()
+    return bool(row[0])
 
 
 def _committed(effects: str, label: str) -> int:
