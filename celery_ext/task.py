@@ -21,6 +21,8 @@ store unreachable         ``fail_closed``: the same, after ``taskonce_store_retr
 bad id / payload mismatch ``Reject(requeue=False)``: not run, dead-lettered where the broker can
 ``ConfigError``           ``Reject(requeue=False)`` too: a configuration that cannot run the
                           message must not acknowledge (lose) it
+``check_first=False``     a duplicate or mismatch is found by ``guard.finish`` (the body ran and
+                          was rolled back): the same ``Ignore``, deferral or ``Reject`` then
 the body sends            captured (``defer_sends``); after it returns its ``link`` callbacks and
                           next ``chain`` step too; published by the guard after the record
 ========================  ==================================================================
@@ -324,9 +326,26 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except InvalidInput as exc:
             # store_result with a result JSON cannot hold: the key is recorded as handled.
             logger.error("taskonce: %s[%s]: %s", self.name, request.id, exc)
+        except PayloadMismatch as exc:
+            # check_first=False: the mismatch shows only at the mark; the body's writes and
+            # sends were rolled back. Refused like a pre-checked mismatch: dead-lettered.
+            logger.error("taskonce: %s[%s] refused, rolled back: %s", self.name, request.id, exc)
+            if eager:
+                raise
+            raise _reject(exc, requeue=False) from exc
         except BaseException as exc:
             guard.fail(ticket, exc)
             raise
+        if ticket.decision is Decision.SKIP:
+            # check_first=False: a duplicate, found at the mark and rolled back. As a skip
+            # found before the body: no state stored, no callbacks (they were captured).
+            raise Ignore()
+        if ticket.decision is Decision.DEFER:
+            if eager:
+                assert ticket.key is not None
+                raise InProgressElsewhere(ticket.key, ticket.retry_after)
+            restore_links(request, links)
+            self._deliver_later(request, args, kwargs, queue, ticket.retry_after)
 
     def _refuse_misconfigured(self, request: Any, exc: ConfigError, eager: bool) -> NoReturn:
         """A configuration error met at run time (one that slipped past the start checks): the

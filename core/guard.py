@@ -634,6 +634,8 @@ class Guard:
 
     def _begin_lazy(self, ticket: Ticket) -> None:
         assert ticket.key is not None
+        if not ticket.policy.check_first:
+            return  # optimistic: the key's unique constraint decides at commit (finish)
         record = self.store.get(ticket.key)
         if record is not None:
             self._decide_existing(ticket, record)
@@ -676,6 +678,11 @@ class Guard:
         Raises :class:`LeaseLost` when another delivery took the claim over meanwhile, and
         :class:`InvalidInput` (after recording the key as handled) when ``store_result`` is on
         and the result is not JSON-serialisable.
+
+        With ``check_first=False`` the delivery may turn out to be a duplicate only here: its
+        transaction is rolled back and ``ticket.decision`` becomes ``SKIP`` (or ``DEFER``, see
+        :meth:`_rolled_back`); a different payload under the key raises
+        :class:`PayloadMismatch`. Adapters look at the decision after this returns.
         """
         if ticket.decision is not Decision.RUN:
             return
@@ -691,6 +698,7 @@ class Guard:
         # arriving in between waits instead of publishing them a second time.
         hold = self.recorder_hold
         recorded = False
+        conflict = False  # check_first=False: the mark met the key's record; rolled back
         try:
             if policy.mode == "eager":
                 assert ticket.owner is not None
@@ -745,7 +753,9 @@ class Guard:
                         )
                     )
                 recorded = wrote
-                self._emit("marked" if wrote else "concurrent_duplicate", ticket, duration=True)
+                conflict = not wrote and not policy.check_first
+                if not conflict:
+                    self._emit("marked" if wrote else "concurrent_duplicate", ticket, duration=True)
         except LeaseLost:
             if not ticket.lost:
                 ticket.lost = True
@@ -765,12 +775,52 @@ class Guard:
             self._close_session(ticket)
             if sends and not recorded:
                 self._emit("sends_discarded", ticket, count=len(sends))
+        if conflict:
+            self._rolled_back(ticket)  # the transaction is gone (closed above): now decide
+            return
         if sends:
             self._emit("sends_deferred", ticket, count=len(sends))
             if self._dispatch(key, token, sends, ticket):
                 self._emit("sends_dispatched", ticket, count=len(sends))
         if encode_error is not None:
             raise encode_error
+
+    def _rolled_back(self, ticket: Ticket) -> None:
+        """``check_first=False``: the mark met a live record of the key, so the handler's
+        transaction was rolled back (its writes and sends gone). Decide now what the skipped
+        pre-check would have decided, from the record that won: a payload mismatch (raised), a
+        duplicate (``SKIP``, ``duplicate_skipped`` with reason ``rolled_back``; its pending
+        sends published, as a pre-checked duplicate would) or a claim still in progress
+        (``DEFER``)."""
+        assert ticket.key is not None
+        try:
+            record = self.store.get(ticket.key)
+        except StoreUnavailable:
+            self._emit("store_error", ticket, duration=True)
+            raise
+        if record is None:
+            # Released or purged between the mark and this read: nothing of this run was
+            # committed, so the message must come again (adapters redeliver transactional runs
+            # whose commit failed).
+            self._emit("store_error", ticket, duration=True)
+            raise StoreUnavailable(
+                f"the record of {ticket.key!r} that rolled this run back is gone; run it again"
+            )
+        if self._mismatch(ticket, record):
+            assert record.fingerprint is not None and ticket.fingerprint is not None
+            self._emit("payload_mismatch", ticket, duration=True)
+            raise PayloadMismatch(ticket.key, record.fingerprint, ticket.fingerprint)
+        if record.status is Status.COMPLETED and record.sends_pending:
+            if not self._redispatch(ticket):
+                return  # DEFER: delivered again to publish them
+        if record.status is Status.COMPLETED or ticket.policy.on_in_progress == "skip":
+            ticket.decision = Decision.SKIP
+            ticket.stored_result = _decode(record.result)
+            self._emit("duplicate_skipped", ticket, duration=True, reason="rolled_back")
+            return
+        ticket.decision = Decision.DEFER  # an eager claim of the same key, still running
+        ticket.retry_after = max(record.lease_remaining, MIN_RETRY_AFTER)
+        self._emit("in_progress_deferred", ticket, duration=True)
 
     def fail(self, ticket: Ticket, exc: BaseException | None = None) -> None:
         """Undo after the handler raised (including framework retries): roll back the
@@ -827,7 +877,7 @@ class Guard:
             self.fail(ticket, exc)
             raise
         self.finish(ticket, value)
-        return Outcome("ran", value, ticket.key)
+        return _finished(ticket, value)
 
     def run(
         self, message_id: str, queue: str, fn: Callable[..., T], *args: Any, **kwargs: Any
@@ -1013,6 +1063,17 @@ def _reset(var: contextvars.ContextVar[Any], token: contextvars.Token[Any]) -> N
         var.reset(token)
     except ValueError:
         var.set(None)
+
+
+def _finished(ticket: Ticket, value: Any) -> Outcome:
+    """The outcome of a delivery whose handler ran and was finished: with ``check_first=False``
+    :meth:`Guard.finish` may have found it a duplicate and rolled it back."""
+    if ticket.decision is Decision.SKIP:
+        return Outcome("skipped", ticket.stored_result, ticket.key)
+    if ticket.decision is Decision.DEFER:
+        assert ticket.key is not None
+        raise InProgressElsewhere(ticket.key, ticket.retry_after)
+    return Outcome("ran", value, ticket.key)
 
 
 def _encode(result: Any, ticket: Ticket) -> tuple[str | None, InvalidInput | None]:

@@ -20,7 +20,14 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "on_in_progress": ("retry", "skip"),
     "on_store_error": ("fail_closed", "fail_open"),
 }
-_FLAGS = ("store_result", "check_payload", "transactional", "enabled", "defer_sends")
+_FLAGS = (
+    "store_result",
+    "check_payload",
+    "transactional",
+    "enabled",
+    "defer_sends",
+    "check_first",
+)
 _SECONDS = ("lease", "keep_for")
 
 
@@ -47,6 +54,11 @@ class Policy:
     :param defer_sends: capture the messages the handler sends and publish them only after its
         outcome is recorded, together with it (the hand-off). False publishes them at once, as
         the framework does unguarded. Default True.
+    :param check_first: look the key up before the handler runs. ``False`` (lazy and
+        transactional only: *optimistic*) skips that look-up and relies on the key's unique
+        constraint at commit: a first delivery costs no store round trip beyond its own
+        transaction, and a duplicate runs, is rolled back and is reported as a duplicate.
+        Default True.
     """
 
     mode: Mode = "eager"
@@ -60,6 +72,7 @@ class Policy:
     transactional: bool = False
     enabled: bool = True
     defer_sends: bool = True
+    check_first: bool = True
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -81,6 +94,15 @@ class Policy:
                     f"Policy.{name}={value!r} is not valid; it must be a positive number of seconds"
                 )
             object.__setattr__(self, name, float(value))
+        if not self.check_first and (self.mode != "lazy" or not self.transactional):
+            # Without the pre-check only the transaction's rollback stops a duplicate's effect:
+            # eager claims first by design, and a lazy mark outside a transaction comes too late.
+            raise ConfigError(
+                f"Policy.check_first=False needs mode='lazy' and transactional=True (got "
+                f"mode={self.mode!r}, transactional={self.transactional!r}): without the "
+                "pre-check only the handler's transaction, rolled back at the key's unique "
+                "constraint, stops a duplicate"
+            )
 
     def replace(self, **changes: Any) -> Policy:
         """A copy with ``changes`` applied; unknown fields raise :class:`ConfigError`."""

@@ -14,6 +14,8 @@ SKIP                   :class:`~.errors.DuplicateSkipped` — acknowledged, not 
 DEFER                  a delayed copy is enqueued (lease remaining), then
                        :class:`~.errors.InProgressDeferred` — this copy acknowledged
 store down (closed)    a delayed copy is enqueued (backoff), then :class:`~.errors.StoreDown`
+RUN, check_first=False a duplicate (or mismatch) shows at the mark, after the actor ran:
+                       rolled back, then acknowledged (or dead-lettered, or deferred)
 RUN, actor sends       captured (``defer_sends``), as are the next pipeline step and
                        ``on_success`` callbacks; the outcome is recorded after ``Pipelines``
                        and ``Callbacks`` ran (by :class:`~.handoff.Finisher`, first in
@@ -338,6 +340,12 @@ class IdempotencyMiddleware(Middleware):
     def _finish(self, broker: Broker, message: MessageProxy, ticket: Ticket, result: Any) -> None:
         try:
             self.guard.finish(ticket, result)
+        except PayloadMismatch as exc:
+            # check_first=False: found at the mark, the actor's writes and sends rolled back.
+            # Dead-lettered like a mismatch found before the actor ran.
+            logger.error("message %r dead-lettered, rolled back: %s", message.message_id, exc)
+            keep_first_result(message)
+            message.fail()
         except LeaseLost:
             # Emitted by the guard. Transactional: nothing committed; the owner that took the
             # claim over commits. Otherwise the actor's effects stand beside the other run's.
@@ -373,6 +381,21 @@ class IdempotencyMiddleware(Middleware):
                 exc,
                 delay,
             )
+            return
+        if ticket.decision is Decision.SKIP:
+            # check_first=False: a duplicate, found at the mark and rolled back; the first
+            # run's stored result stays.
+            keep_first_result(message)
+        elif ticket.decision is Decision.DEFER:
+            try:
+                self.redelivery.after_lease(broker, message, ticket.retry_after)
+            except Exception:
+                logger.exception(
+                    "message %s: rolled back behind a claim in progress, and the redelivery "
+                    "failed; it is NOT recorded",
+                    message.message_id,
+                )
+            keep_first_result(message)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         """A middleware after this one skipped a delivery this middleware claimed: release."""

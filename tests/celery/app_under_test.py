@@ -214,6 +214,69 @@ def effect(
     return label
 
 
+if SQL_STORE:
+    # Declared on SQL stores only: a transactional option is refused at start on Redis.
+
+    @app.task(
+        base=IdempotentTask,
+        bind=True,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        idempotency={"mode": "lazy", "transactional": True, "check_first": False},
+        name="t.opt_effect",
+    )
+    def opt_effect(
+        self: Any,
+        table: str,
+        effects: str,
+        label: str,
+        hang_first: bool = False,
+        wait_other: bool = False,
+    ) -> str:
+        """Optimistic (check_first=False): counts its run, writes one row into ``effects``
+        through the guard's transaction; the first run hangs (to be SIGKILLed). With
+        ``wait_other`` one of two concurrent runs (the one that takes an advisory lock on the
+        task id) holds its uncommitted row until the other has committed its own, and fails if
+        that never happens."""
+        from sqlalchemy import text
+
+        if not _TABLE.match(effects):
+            raise ValueError(f"bad table name {effects!r}")
+        runs = count_run(table, self, label)
+        session = taskonce.current_session()
+        session.execute(text(f"INSERT INTO {effects} (label) VALUES (:label)"), {"label": label})
+        if hang_first and runs == 1:
+            time.sleep(120)  # the test SIGKILLs this child: the insert above never commits
+        if wait_other and _lock(self.request.id):
+            try:
+                deadline = time.monotonic() + 60
+                while _committed(effects, label) == 0:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("no other run of this label committed meanwhile")
+                    time.sleep(0.05)
+            finally:
+                _lock(self.request.id, release=True)
+        return label
+
+
+def _lock(name: str, release: bool = False) -> bool:
+    """Take (or release) a session-level advisory lock named ``name`` on this process's
+    connection: of two processes running at once, exactly one takes it."""
+    call = "pg_advisory_unlock" if release else "pg_try_advisory_lock"
+    with _db().cursor() as cur:
+        cur.execute(f"SELECT {call}(hashtext(%s))", (name,))
+        row = cur.fetchone()
+    return bool(row[0])
+
+
+def _committed(effects: str, label: str) -> int:
+    """Committed rows of ``label`` in ``effects`` (read outside the guard's transaction)."""
+    with _db().cursor() as cur:
+        cur.execute(f"SELECT count(*) FROM {effects} WHERE label = %s", (label,))
+        row = cur.fetchone()
+    return int(row[0])
+
+
 @app.task(
     base=IdempotentTask, bind=True, acks_late=True, idempotency={"mode": "eager"}, name="t.override"
 )

@@ -268,6 +268,10 @@ def test_purge_task_deletes_expired_records(tmp_path: Path, sink: Events) -> Non
         ({"taskonce_store_retry_delay": 0}, ["taskonce_store_retry_delay"]),
         ({"taskonce_events": 42}, ["taskonce_events"]),
         ({"taskonce_default": {"transactional": True}}, ["transactional", "SQL store"]),
+        (
+            {"taskonce_queues": {"payments": {"mode": "lazy", "check_first": False}}},
+            ["taskonce_queues['payments']", "check_first=False needs", "transactional=True"],
+        ),
         ({"taskonce_store": "mongodb://x"}, ["unknown store URL scheme"]),
     ],
 )
@@ -277,6 +281,22 @@ def test_misconfigured_settings_fail_at_setup(conf: dict[str, Any], words: list[
         setup(app)
     for word in words:
         assert word in str(info.value)
+
+
+def test_optimistic_policy_from_the_settings(tmp_path: Any) -> None:
+    """check_first travels through the settings like every Policy field."""
+    app = make_app(
+        taskonce_store=f"sqlite:///{tmp_path}/s.db",
+        taskonce_queues={
+            "payments": {"mode": "lazy", "transactional": True, "check_first": False}
+        },
+    )
+    guard = setup(app)
+    try:
+        assert guard.policy_for("payments").check_first is False
+        assert guard.policy_for("other").check_first is True
+    finally:
+        guard.close()
 
 
 def test_setup_without_store_or_guard_names_the_setting() -> None:

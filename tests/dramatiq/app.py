@@ -148,6 +148,28 @@ class Runs:
             self._local.conn = conn
         return conn
 
+    def lock(self, release: bool = False) -> bool:
+        """Take (or release) a session-level advisory lock named after the current message on
+        this thread's connection: of two threads running it at once, exactly one takes it."""
+        message = CurrentMessage.get_current_message()
+        name = message.message_id if message is not None else "?"
+        call = "pg_advisory_unlock" if release else "pg_try_advisory_lock"
+        with self.connection().cursor() as cur:
+            cur.execute(f"SELECT {call}(hashtext(%s))", (name,))
+            row = cur.fetchone()
+        return bool(row and row[0])
+
+    def committed(self, table: str) -> int:
+        """Committed rows of the current message in ``table`` (an effects table)."""
+        if not _TABLE.match(table):
+            raise ValueError(f"bad table name {table!r}")
+        message = CurrentMessage.get_current_message()
+        message_id = message.message_id if message is not None else "?"
+        with self.connection().cursor() as cur:
+            cur.execute(f"SELECT count(*) FROM {table} WHERE message_id = %s", (message_id,))
+            row = cur.fetchone()
+        return int(row[0]) if row else 0
+
     def record(self, table: str) -> int:
         """Insert one run of the current message; the number of runs of it so far."""
         if not _TABLE.match(table):
@@ -400,6 +422,37 @@ def build(config: Config) -> App:
         @actor(txn, idempotency=False)
         def ping_txn(table: str) -> None:
             runs.record(table)
+
+        @actor(
+            txn,
+            idempotency={"mode": "lazy", "transactional": True, "check_first": False},
+            max_retries=0,
+        )
+        def opt_charge(
+            table: str,
+            effects: str,
+            amount: int,
+            hang_first: bool = False,
+            wait_other: bool = False,
+        ) -> None:
+            """Optimistic (check_first=False): writes its effect through the guard's
+            transaction; the first run hangs (to be SIGKILLed). With ``wait_other`` one of two
+            concurrent runs (the one that takes an advisory lock on the message id) holds its
+            uncommitted row until the other has committed its own, and fails if that never
+            happens."""
+            _write_effect(effects, amount)
+            run = runs.record(table)
+            if hang_first and run == 1:
+                time.sleep(60)
+            if wait_other and runs.lock():
+                try:
+                    deadline = time.monotonic() + 60
+                    while runs.committed(effects) == 0:
+                        if time.monotonic() > deadline:
+                            raise RuntimeError("no other run of this message committed meanwhile")
+                        time.sleep(0.05)
+                finally:
+                    runs.lock(release=True)
 
     return App(config, broker, guard, actors, results)
 

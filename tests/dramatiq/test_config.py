@@ -92,6 +92,7 @@ def test_misspelled_policy_field_names_the_actor_and_the_field(broker: StubBroke
         ({"mode": "sometimes"}, "Policy.mode"),
         ({"lease": -1}, "Policy.lease"),
         ({"transactional": True}, "SQL store"),
+        ({"mode": "lazy", "check_first": False}, "check_first=False needs"),
     ],
 )
 def test_bad_option_values_are_refused(broker: StubBroker, value: Any, match: str) -> None:
