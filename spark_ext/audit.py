@@ -2,8 +2,9 @@
 overall, and recommend a retention window.
 
 All work over events is Spark DataFrame operations (one window over each key's events, then
-aggregations with grouping sets); the driver only ever collects aggregates whose size does not
-grow with the log (one row per queue, task, bucket or window), plus at most
+aggregations per key, per queue and task pair, or with grouping sets), in the passes of
+:class:`AuditRun`; the driver only ever collects aggregates whose size does not grow with the
+log (one row per queue, task, queue and task pair, bucket or window), plus at most
 ``sample_rows`` example rows of leaks and stuck claims for the human-readable report.
 
 The meaning of every figure is written out in docs/audit.md.
