@@ -444,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         shutil.rmtree(out, ignore_errors=True)
+        if args.write_docs:  # after each size: a later size that fails keeps the earlier ones
+            write_section(render(rows, args, (load_start, _load())))
         if not args.keep_logs:  # a 10M-event log takes 3 GB
             path.unlink(missing_ok=True)
             path.with_suffix(".truth.json").unlink(missing_ok=True)
@@ -452,7 +454,6 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(section)
     if args.write_docs:
-        write_section(section)
         print(f"rewrote '{SECTION}' in {DOC}")
     return 0 if all(row["truth"] == "matches" for row in rows) else 1
 
