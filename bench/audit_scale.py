@@ -39,6 +39,7 @@ from gen_events import TRUTH_FIELDS
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Spark audit"
+DEFAULT_SIZES = "1000000,10000000"
 GENERATOR = [
     "--dup-rate",
     "0.05",
@@ -56,28 +57,103 @@ GENERATOR = [
 CHECKED = TRUTH_FIELDS  # the figures gen_events.py knows exactly
 
 
+#: The audit's passes (``AuditRun`` methods), in order, as the table names them.
+PASSES = ("classify", "per_key", "per_scope", "gaps", "what_if", "result", "write")
+
+
+def _jvm_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (the JVM) so far, from /proc."""
+    with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _heap_peak_bytes(spark: Any) -> int:
+    """The JVM's peak heap use: the sum of each heap pool's peak (``MemoryPoolMXBean``), an
+    upper bound of the heap's own peak (the pools peak at different moments)."""
+    factory = spark._jvm.java.lang.management.ManagementFactory
+    return sum(
+        int(pool.getPeakUsage().getUsed())
+        for pool in factory.getMemoryPoolMXBeans()
+        if str(pool.getType()) == "Heap memory"
+    )
+
+
 def child(args: argparse.Namespace) -> int:
-    """Run one audit in this process and print its timings as JSON."""
+    """Run one audit pass by pass in this process, then Spark's floor for the same job in the
+    same JVM; print the timings as JSON."""
     started = time.monotonic()
-    from taskonce.spark_ext import audit, build_session
+    from pyspark.sql import functions as F
+
+    from taskonce.spark_ext import build_session
+    from taskonce.spark_ext.audit import AuditRun
+    from taskonce.spark_ext.inputs import read_events
+    from taskonce.spark_ext.report import write_outputs
 
     spark = build_session(args.master, driver_memory=args.driver_memory)
     spark.sparkContext.setLogLevel("ERROR")
+    convert_s = None
+    if args.input == "parquet":
+        # a Parquet copy of the JSONL log, written once and reused (not timed as the audit)
+        parquet = str(Path(args.events_file).with_suffix(".parquet"))
+        if not Path(parquet).exists():
+            begun = time.monotonic()
+            read_events(spark, [args.events_file]).drop("seq", "_corrupt_record").withColumn(
+                "ts", F.timestamp_millis("t_ms")
+            ).drop("t_ms").write.parquet(parquet)
+            convert_s = time.monotonic() - begun
+        args.events_file = parquet
+    jvm_pid = int(spark._jvm.java.lang.ProcessHandle.current().pid())
     ready = time.monotonic()
-    result = audit(
+    run = AuditRun(
         spark,
         [args.events_file],
-        out=args.out,
         broker_bounds={"redis-visibility": 3600.0},
         simulate_windows=[60, 300, 3600, 86400],
     )
-    done = time.monotonic()
+    passes: dict[str, dict[str, float]] = {}
+
+    def timed(name: str, work: Any) -> Any:
+        wall, cpu = time.monotonic(), _jvm_cpu_s(jvm_pid)
+        value = work()
+        passes[name] = {"wall_s": time.monotonic() - wall, "cpu_s": _jvm_cpu_s(jvm_pid) - cpu}
+        return value
+
+    try:
+        for name in PASSES[:-2]:
+            timed(name, getattr(run, name))
+        result = timed("result", run.result)
+        timed("write", lambda: write_outputs(spark, result, args.out, charts=True))
+    finally:
+        run.close()
+    audit_wall = sum(p["wall_s"] for p in passes.values())
+    audit_cpu = sum(p["cpu_s"] for p in passes.values())
+    audit_heap = _heap_peak_bytes(spark)
+
+    # Spark's floor for this job: read the same events, group them by key, write Parquet
+    floor_out = f"{args.out}-floor"
+    wall, cpu = time.monotonic(), _jvm_cpu_s(jvm_pid)
+    (
+        read_events(spark, [args.events_file])
+        .groupBy("key")
+        .agg(F.count(F.lit(1)).alias("events"), F.min("t_ms"), F.max("t_ms"))
+        .write.mode("overwrite")
+        .parquet(floor_out)
+    )
+    floor = {"wall_s": time.monotonic() - wall, "cpu_s": _jvm_cpu_s(jvm_pid) - cpu}
+    shutil.rmtree(floor_out, ignore_errors=True)
     spark.stop()
     print(
         json.dumps(
             {
                 "session_s": ready - started,
-                "audit_s": done - ready,
+                "convert_s": convert_s,
+                "audit_s": audit_wall,
+                "audit_cpu_s": audit_cpu,
+                "passes": passes,
+                "floor_s": floor["wall_s"],
+                "floor_cpu_s": floor["cpu_s"],
+                "heap_peak_bytes": audit_heap,
                 "report": result.report,
                 "percentiles": result.info["percentiles"],
                 "python_maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
@@ -139,6 +215,8 @@ def measure(args: argparse.Namespace, events_file: Path, out: Path) -> dict[str,
         args.master,
         "--driver-memory",
         args.driver_memory,
+        "--input",
+        args.input,
     ]
     peaks = {"total": 0, "java": 0}
     stop = threading.Event()
@@ -197,41 +275,79 @@ def _load() -> str:
     return " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
+PASS_NAMES = {
+    "classify": "classify (read, shuffle by key, window, keep)",
+    "per_key": "per key (keys, leaks, stuck claims)",
+    "per_scope": "per scope (event counts)",
+    "gaps": "gaps (percentiles, histogram)",
+    "what_if": "what-if and timeline",
+    "result": "hand-off, samples, report",
+    "write": "write (Parquet tables, charts, reports)",
+}
+
+
 def render(rows: list[dict[str, Any]], args: argparse.Namespace, loads: tuple[str, str]) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         SECTION,
         "",
-        "`taskonce audit` over synthetic logs from `bench/gen_events.py` (5% of messages "
+        "`audit()` over synthetic logs from `bench/gen_events.py` (5% of messages "
         "delivered twice, gaps log-normal with median 30 s and sigma 2, 1% of the duplicates "
         "at 3600 s; 1% of runs fail once and are retried; 0.05% of claims never end; one lazy "
-        "queue of four with 0.1% concurrent duplicates; keep_for 1 day), one JSONL file per "
-        f"size, on `--master {args.master}` with `--driver-memory {args.driver_memory}`, "
-        "four what-if windows and a broker bound. *Audit s* is the `audit()` call (read, "
-        "classify, aggregate, write the Parquet tables, charts and reports); *wall s* adds "
-        "the Python and JVM start. *Events/s* = events / audit s. *Peak RSS* is sampled every "
-        "0.25 s: the JVM (the Spark driver with its executor threads in local mode) and the "
-        "Python driver process; the Python driver stays flat from 1M to 10M events because "
-        "only aggregates reach it. *Truth* compares the report's deliveries, runs, keys, "
-        "duplicates, failures, releases, leaks and stuck claims with the generator's.",
+        "queue of four with 0.1% concurrent duplicates; keep_for 1 day), one "
+        f"{'JSONL file' if args.input == 'jsonl' else 'Parquet folder'} per size, on "
+        f"`--master {args.master}` with `--driver-memory {args.driver_memory}`, four what-if "
+        "windows and a broker bound, in a fresh JVM per size. *Floor* is Spark's own floor for "
+        "this job, in the same JVM right after the audit, on the same events: read them, group "
+        "by key (count, first and last time), write Parquet. *Audit* is the sum of the passes "
+        "(`AuditRun` in spark_ext/audit.py: read and classify, per key, per scope, gaps, "
+        "what-if, report, then writing the Parquet tables, charts and reports); the audit runs "
+        "first, so it also pays the JVM's warm-up. Times are wall seconds and, in brackets, the "
+        "JVM's CPU seconds (user + system, /proc), the steadier figure on a shared machine; "
+        "*ratio* = audit / floor. *Heap peak* is the JVM's peak heap use after the audit (the "
+        "sum of its heap pools' peaks, `MemoryPoolMXBean`: in local mode the Spark driver and "
+        "its executor threads share it); *RSS* is sampled every 0.25 s; the Python driver's "
+        "peak RSS stays flat from 1M to 10M events because only aggregates reach it. *Truth* "
+        "compares the report's deliveries, runs, keys, duplicates, failures, releases, leaks "
+        "and stuck claims with the generator's.",
         "",
-        "| Events | Input | Audit s | Wall s | Events/s | Peak RSS JVM | Peak RSS Python "
-        "driver | Percentiles | Truth |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "| Events | Input | Floor s | Audit s | Ratio wall (CPU) | Events/s | Heap peak | "
+        "Peak RSS JVM | Peak RSS Python driver | Percentiles | Truth |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for row in rows:
         lines.append(
-            f"| {row['events']:,} | {row['input_mb']:,.0f} MB | {row['audit_s']:.1f} | "
-            f"{row['wall_s']:.1f} | {row['events'] / row['audit_s']:,.0f} | "
+            f"| {row['events']:,} | {row['input_mb']:,.0f} MB | {row['floor_s']:.1f} "
+            f"({row['floor_cpu_s']:.1f}) | {row['audit_s']:.1f} ({row['audit_cpu_s']:.1f}) | "
+            f"{row['audit_s'] / row['floor_s']:.1f}× "
+            f"({row['audit_cpu_s'] / row['floor_cpu_s']:.1f}×) | "
+            f"{row['events'] / row['audit_s']:,.0f} | "
+            f"{row['heap_peak_bytes'] / 2**20:,.0f} MB | "
             f"{row['peak_java_kb'] / 1024:,.0f} MB | {row['python_maxrss_kb'] / 1024:,.0f} MB | "
             f"{row['percentiles']} | {row['truth']} |"
         )
     lines += [
         "",
+        "Per pass, wall seconds (JVM CPU seconds):",
+        "",
+        "| Pass | " + " | ".join(f"{row['events']:,} events" for row in rows) + " |",
+        "| --- | " + " | ".join("---:" for _ in rows) + " |",
+    ]
+    for name, label in PASS_NAMES.items():
+        cells = [
+            f"{row['passes'][name]['wall_s']:.1f} ({row['passes'][name]['cpu_s']:.1f})"
+            for row in rows
+        ]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
         "Command:",
         "",
         "```sh",
-        ".venv/bin/python bench/audit_scale.py --write-docs",
+        ".venv/bin/python bench/audit_scale.py "
+        + (f"--sizes {args.sizes} " if args.sizes != DEFAULT_SIZES else "")
+        + (f"--input {args.input} " if args.input != "jsonl" else "")
+        + "--write-docs",
         "```",
         "",
         f"Measured {when} on nproc {os.cpu_count()} ({platform.processor() or 'x86_64'}), "
@@ -266,8 +382,19 @@ def _pyspark() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="1000000,10000000", help="event counts")
-    parser.add_argument("--workdir", default="/tmp/taskonce-audit-scale", help="logs go here")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="event counts")
+    parser.add_argument(
+        "--workdir", default=str(REPO / "build" / "audit-scale"), help="logs go here"
+    )
+    parser.add_argument(
+        "--input",
+        choices=("jsonl", "parquet"),
+        default="jsonl",
+        help="audit the JSONL log, or a Parquet copy of it (written once by Spark)",
+    )
+    parser.add_argument(
+        "--keep-logs", action="store_true", help="keep the generated logs in --workdir"
+    )
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--driver-memory", default="2g")
     parser.add_argument("--write-docs", action="store_true", help=f"rewrite '{SECTION}'")
@@ -289,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         out = workdir / f"out-{size}"
         print(f"auditing {truth['events']:,} events (load {_load()}) …", flush=True)
         data = measure(args, path, out)
+        if data.get("convert_s") is not None:
+            print(f"wrote the Parquet copy in {data['convert_s']:.1f} s")
         overall = data["report"]["overall"]
         mismatches = [
             f"{name} {overall[name]} ≠ {truth[name]}"
@@ -306,18 +435,25 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(
             f"{row['events']:,} events: audit {row['audit_s']:.1f} s "
-            f"({row['events'] / row['audit_s']:,.0f} events/s), wall {row['wall_s']:.1f} s, "
+            f"({row['audit_cpu_s']:.1f} CPU s), floor {row['floor_s']:.1f} s "
+            f"({row['floor_cpu_s']:.1f} CPU s), ratio {row['audit_s'] / row['floor_s']:.1f}×; "
+            f"heap peak {row['heap_peak_bytes'] / 2**20:,.0f} MB, "
             f"peak JVM {row['peak_java_kb'] / 1024:,.0f} MB, "
             f"Python driver {row['python_maxrss_kb'] / 1024:,.0f} MB, "
             f"whole tree {row['peak_tree_kb'] / 1024:,.0f} MB; truth {row['truth']}",
             flush=True,
         )
         shutil.rmtree(out, ignore_errors=True)
+        if args.write_docs:  # after each size: a later size that fails keeps the earlier ones
+            write_section(render(rows, args, (load_start, _load())))
+        if not args.keep_logs:  # a 10M-event log takes 3 GB
+            path.unlink(missing_ok=True)
+            path.with_suffix(".truth.json").unlink(missing_ok=True)
+            shutil.rmtree(path.with_suffix(".parquet"), ignore_errors=True)
     section = render(rows, args, (load_start, _load()))
     print()
     print(section)
     if args.write_docs:
-        write_section(section)
         print(f"rewrote '{SECTION}' in {DOC}")
     return 0 if all(row["truth"] == "matches" for row in rows) else 1
 

@@ -2,8 +2,9 @@
 overall, and recommend a retention window.
 
 All work over events is Spark DataFrame operations (one window over each key's events, then
-aggregations with grouping sets); the driver only ever collects aggregates whose size does not
-grow with the log (one row per queue, task, bucket or window), plus at most
+aggregations per key, per queue and task pair, or with grouping sets), in the passes of
+:class:`AuditRun`; the driver only ever collects aggregates whose size does not grow with the
+log (one row per queue, task, queue and task pair, bucket or window), plus at most
 ``sample_rows`` example rows of leaks and stuck claims for the human-readable report.
 
 The meaning of every figure is written out in docs/audit.md.
@@ -59,14 +60,35 @@ NONE_NAME = "(none)"
 
 ProgressFn = Callable[[int, int, str], None]
 
+#: The progress steps: one per pass of :class:`AuditRun`, then "writing the outputs".
 _STEPS = (
     "reading and classifying events",
+    "counting keys, leaks and stuck claims",
     "counting per queue and task",
-    "counting keys and leaks",
-    "finding stuck claims",
     "measuring redelivery gaps",
     "replaying windows and timeline",
+    "summing up the hand-off and the report",
 )
+#: The event fields the audit uses; the others (``framework``, ``mode``, ``duration_ms``,
+#: ``reason``, ``count``) are dropped before the shuffle by key.
+AUDIT_COLUMNS = (
+    "t_ms",
+    "event",
+    "key",
+    "queue",
+    "message_id",
+    "task",
+    "worker",
+    "attempt",
+    "redelivered",
+    "lease_s",
+    "keep_for_s",
+    "recovery_s",
+    CORRUPT_COLUMN,
+    "seq",
+)
+#: The hand-off's events.
+SENDS_EVENTS = ("sends_deferred", "sends_dispatched", "sends_redispatched", "sends_discarded")
 
 
 @dataclasses.dataclass
@@ -251,6 +273,65 @@ def _scoped(frame: DataFrame, *aggregates: Column) -> list[tuple[str, str, dict[
     return out
 
 
+def _rolled_up(
+    frame: DataFrame, **aggregates: tuple[str, Column]
+) -> list[tuple[str, str, dict[str, Any]]]:
+    """Like :func:`_scoped`, for aggregates that combine: aggregate per (queue, task) pair in
+    Spark, then roll the pairs up to the scopes here (one row per pair reaches the driver, as
+    many as the log has tasks). Each aggregate is ``name=(how, column)``: ``how`` is ``sum``,
+    ``min`` or ``max`` (of ``column``), or ``latest``: the value of ``column`` at the greatest
+    ``t_ms`` among the rows where it is not null (``max_by``).
+
+    Cheaper than grouping sets over every event: those copy each row three times (one per
+    grouping set) before aggregating."""
+    from pyspark.sql import functions as F
+
+    columns: list[Column] = []
+    for name, (how, column) in aggregates.items():
+        if how == "latest":
+            at = F.when(column.isNotNull(), F.col("t_ms"))
+            columns += [F.max_by(column, at).alias(name), F.max(at).alias(f"{name}@")]
+        else:
+            columns.append(column.alias(name))
+    rows = frame.groupBy("queue_name", "task_name").agg(*columns).collect()
+    scopes: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:
+        values = row.asDict()
+        for scope, name in (
+            ("overall", ""),
+            ("queue", str(values["queue_name"])),
+            ("task", str(values["task_name"])),
+        ):
+            entry = scopes.get((scope, name))
+            if entry is None:
+                scopes[(scope, name)] = {n: values[n] for n in aggregates} | {
+                    f"{n}@": values[f"{n}@"]
+                    for n, (how, _) in aggregates.items()
+                    if how == "latest"
+                }
+                continue
+            for field, (how, _) in aggregates.items():
+                mine, theirs = entry[field], values[field]
+                if how == "latest":
+                    at = values[f"{field}@"]
+                    if at is not None and (entry[f"{field}@"] is None or at > entry[f"{field}@"]):
+                        entry[field], entry[f"{field}@"] = theirs, at
+                elif theirs is None:
+                    continue
+                elif mine is None:
+                    entry[field] = theirs
+                elif how == "sum":
+                    entry[field] = mine + theirs
+                elif how == "min":
+                    entry[field] = min(mine, theirs)
+                else:
+                    entry[field] = max(mine, theirs)
+    return [
+        (scope, name, {field: entry[field] for field in aggregates})
+        for (scope, name), entry in scopes.items()
+    ]
+
+
 def _scope_key(scope: str, name: str) -> str:
     return "overall" if scope == "overall" else f"{scope}:{name}"
 
@@ -272,6 +353,498 @@ def _timeline_bucket(span_s: float) -> int:
         if span_s / width <= 60:
             return width
     return 7 * 86400
+
+
+class AuditRun:
+    """One audit, pass by pass: :meth:`classify` (read the events and classify each key's
+    timeline, kept in memory or on local disk for the passes after it), :meth:`per_key` (keys,
+    leaks and stuck claims), :meth:`per_scope` (the event counts of each queue, task and
+    overall), :meth:`gaps` (redelivery gap percentiles and histogram), :meth:`what_if` (the
+    simulated windows and the timeline) and :meth:`result` (the hand-off figures, samples and
+    the report). :func:`audit` runs them in this order; ``bench/audit_scale.py`` times each.
+
+    Each pass ends with the Spark actions it needs, so its time is its own; :meth:`close`
+    frees what the passes kept and restores the session's shuffle partitions.
+
+    The arguments are :func:`audit`'s.
+    """
+
+    classified: DataFrame
+    keys: DataFrame
+    stuck: DataFrame
+    leaks_table: DataFrame
+    stuck_table: DataFrame
+    notable: DataFrame
+    duplicates: DataFrame
+    timeline_table: DataFrame
+
+    def __init__(
+        self,
+        spark: SparkSession,
+        paths: Sequence[str] = (),
+        *,
+        jdbc: JdbcSource | None = None,
+        fmt: str = "auto",
+        keep_for_s: float | None = None,
+        broker_bounds: Mapping[str, float] | Sequence[float] = (),
+        safety_factor: float = DEFAULT_SAFETY_FACTOR,
+        simulate_windows: Sequence[float] = (),
+        grace_s: float = DEFAULT_GRACE_S,
+        bytes_per_key: Mapping[str, int] | None = None,
+        sample_rows: int = 20,
+        now: datetime.datetime | None = None,
+        shuffle_partitions: int | None = None,
+    ) -> None:
+        if safety_factor <= 0:
+            raise ValueError("safety_factor must be positive")
+        self.spark = spark
+        self.paths = list(paths)
+        self.jdbc = jdbc
+        self.fmt = fmt
+        self.keep_for_s = keep_for_s
+        self.bounds = (
+            dict(broker_bounds)
+            if isinstance(broker_bounds, Mapping)
+            else {f"bound {i + 1}": float(b) for i, b in enumerate(broker_bounds)}
+        )
+        self.bound_values = [float(v) for v in self.bounds.values()]
+        self.windows = sorted({float(w) for w in simulate_windows})
+        self.safety_factor = safety_factor
+        self.grace_s = grace_s
+        self.sizes = dict(BYTES_PER_KEY if bytes_per_key is None else bytes_per_key)
+        self.sample_rows = sample_rows
+        self.now = now
+        self.shuffle_partitions = shuffle_partitions
+        self.log_end_ms: int | None = None
+        self.scopes: dict[str, dict[str, Any]] = {}
+        self.histogram: list[tuple[float, int]] = []
+        self.exact = True
+        self.what_if_rows: list[dict[str, Any]] = []
+        self.timeline: list[dict[str, Any]] = []
+        self.timeline_bucket_s = 1
+        self.span_s = 0.0
+        self.keys_per_s = 0.0
+        self._key_counts: list[tuple[str, str, dict[str, Any]]] = []
+        self._stuck_counts: list[tuple[str, str, dict[str, Any]]] = []
+        self._cached: list[DataFrame] = []
+        self._previous_partitions: str | None = None
+        self._partitions_set = False
+
+    def _keep(self, frame: DataFrame) -> DataFrame:
+        """Persist ``frame`` for the later passes (memory, spilling to local disk)."""
+        from pyspark import StorageLevel
+
+        kept = frame.persist(StorageLevel.MEMORY_AND_DISK)
+        self._cached.append(kept)
+        return kept
+
+    def close(self) -> None:
+        """Free the kept frames and restore the session's shuffle partitions."""
+        for frame in self._cached:
+            frame.unpersist()
+        self._cached.clear()
+        if self._partitions_set:
+            self.spark.conf.set("spark.sql.shuffle.partitions", self._previous_partitions or "200")
+            self._partitions_set = False
+
+    def read(self) -> DataFrame:
+        """The events (lazy: Spark reads them when :meth:`classify` runs), only the fields the
+        audit uses: the others would travel through the shuffle by key and fill the cache for
+        nothing."""
+        raw = read_events(self.spark, self.paths, self.jdbc, self.fmt)
+        return raw.select(*AUDIT_COLUMNS)
+
+    def classify(self) -> DataFrame:
+        """Read and classify every key's events (:func:`classify`), kept for the later passes;
+        one action builds the kept frame and finds the log's end (its last valid event)."""
+        from pyspark.sql import functions as F
+
+        raw = self.read()
+        self._previous_partitions = self.spark.conf.get("spark.sql.shuffle.partitions")
+        partitions = self.shuffle_partitions or _shuffle_partitions(
+            self.spark, raw, self.jdbc is not None
+        )
+        self.spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
+        self._partitions_set = True
+        logger.info("audit: %d shuffle partitions", partitions)
+        self.classified = self._keep(classify(raw, self.keep_for_s))
+        row = self.classified.agg(
+            F.max(F.when(F.col("is_valid") == 1, F.col("t_ms"))).alias("last_ms")
+        ).first()
+        self.log_end_ms = None if row is None else row["last_ms"]
+        return self.classified
+
+    def per_key(self) -> None:
+        """Keys (distinct keys, leaks) and claims (stuck claims), each key's rows together:
+        the kept frame is partitioned by key, so these aggregations need no shuffle."""
+        from pyspark.sql import Window
+        from pyspark.sql import functions as F
+
+        classified = self.classified
+        # distinct keys and leaked keys, each key under its first queue/task
+        first = F.struct("t_ms", "seq")
+        self.keys = self._keep(
+            classified.filter(F.col("key").isNotNull() & (F.col("is_valid") == 1))
+            .groupBy("key")
+            .agg(
+                F.min_by("queue_name", first).alias("queue_name"),
+                F.min_by("task_name", first).alias("task_name"),
+                F.max("is_delivery").alias("delivered"),
+                F.sum("leaked_run").alias("leaked_runs"),
+                F.min(F.when(F.col("leaked_run") == 1, F.col("t_ms"))).alias("first_leak_ms"),
+                F.max(F.when(F.col("leaked_run") == 1, F.col("t_ms"))).alias("last_leak_ms"),
+                F.min("anchor_ms").alias("first_run_ms"),
+            )
+        )
+        self._key_counts = _rolled_up(
+            self.keys,
+            distinct_keys=("sum", F.sum("delivered")),
+            leaks=("sum", F.sum(_flag(F.col("leaked_runs") > 0))),
+        )
+        self.leaks_table = self.keys.filter(F.col("leaked_runs") > 0).select(
+            "key",
+            F.col("queue_name").alias("queue"),
+            F.col("task_name").alias("task"),
+            "leaked_runs",
+            F.timestamp_millis("first_run_ms").alias("first_run_at"),
+            F.timestamp_millis("first_leak_ms").alias("first_leak_at"),
+            F.timestamp_millis("last_leak_ms").alias("last_leak_at"),
+        )
+
+        # stuck claims: each claim is a segment of its key's events
+        owned = F.col("worker").eqNullSafe(F.col("owner"))
+        starts = _in("event", CLAIM_START_EVENTS)
+        segments = (
+            classified.filter(F.col("key").isNotNull() & (F.col("seg") > 0))
+            .groupBy("key", "seg")
+            .agg(
+                F.min(F.when(starts, F.col("t_ms"))).alias("start_ms"),
+                F.max(F.when(starts, F.col("event"))).alias("how"),
+                F.max(F.when(starts, F.col("lease_s"))).alias("lease_s"),
+                F.max(F.when(starts, F.col("worker"))).alias("worker"),
+                F.max(F.when(starts, F.col("queue_name"))).alias("queue_name"),
+                F.max(F.when(starts, F.col("task_name"))).alias("task_name"),
+                F.max(F.when((F.col("event") == "lease_renewed") & owned, F.col("t_ms"))).alias(
+                    "renewed_ms"
+                ),
+                F.min(
+                    F.when(
+                        _in("event", CLAIM_END_EVENTS) & ((F.col("event") != "lease_lost") | owned),
+                        F.col("t_ms"),
+                    )
+                ).alias("end_ms"),
+            )
+        )
+        by_claim = Window.partitionBy("key").orderBy("seg")
+        segments = segments.withColumn(
+            "ended_ms", F.least(F.col("end_ms"), F.lead("start_ms").over(by_claim))
+        ).withColumn(
+            "deadline_ms",
+            F.greatest(F.col("start_ms"), F.col("renewed_ms"))
+            + ((F.col("lease_s") + F.lit(float(self.grace_s))) * 1000).cast("long"),
+        )
+        self.stuck = self._keep(
+            segments.filter(
+                F.col("lease_s").isNotNull()
+                & (
+                    (F.col("ended_ms") > F.col("deadline_ms"))
+                    | (
+                        F.col("ended_ms").isNull()
+                        & (F.lit(self.log_end_ms).cast("long") > F.col("deadline_ms"))
+                    )
+                )
+            )
+        )
+        self._stuck_counts = _scoped(self.stuck, F.count(F.lit(1)).alias("stuck_claims"))
+        self.stuck_table = self.stuck.select(
+            "key",
+            F.col("queue_name").alias("queue"),
+            F.col("task_name").alias("task"),
+            "worker",
+            "how",
+            "lease_s",
+            F.timestamp_millis("start_ms").alias("claimed_at"),
+            F.timestamp_millis("renewed_ms").alias("last_renewed_at"),
+            F.timestamp_millis("deadline_ms").alias("deadline"),
+            F.timestamp_millis("ended_ms").alias("ended_at"),
+            F.col("ended_ms").isNull().alias("open_at_log_end"),
+        )
+
+    def per_scope(self) -> None:
+        """The event counts of each scope (overall, queue, task): one aggregation per (queue,
+        task) pair, rolled up (:func:`_rolled_up`), joined with the key and claim counts of
+        :meth:`per_key`."""
+        from pyspark.sql import functions as F
+
+        classified = self.classified
+        gap_known = F.col("gap_ms").isNotNull()
+        bucket_columns = []
+        lower = None
+        for label, upper in GAP_BUCKETS:
+            condition = gap_known
+            if lower is not None:
+                condition = condition & (F.col("gap_ms") > F.lit(lower * 1000))
+            if upper is not None:
+                condition = condition & (F.col("gap_ms") <= F.lit(upper * 1000))
+            bucket_columns.append((label, F.sum(_flag(condition))))
+            lower = upper
+        valid_t = F.when(F.col("is_valid") == 1, F.col("t_ms"))
+        delivery_t = F.when(F.col("is_delivery") == 1, F.col("t_ms"))
+        counted = _rolled_up(
+            classified,
+            events=("sum", F.sum("is_valid")),
+            malformed=("sum", F.sum(1 - F.col("is_valid"))),
+            deliveries=("sum", F.sum("is_delivery")),
+            runs=("sum", F.sum("is_run")),
+            duplicates_skipped=("sum", F.sum(_flag(F.col("event") == "duplicate_skipped"))),
+            duplicates_in_flight=("sum", F.sum(_flag(F.col("event") == "in_progress_deferred"))),
+            leaked_runs=("sum", F.sum(F.coalesce(F.col("leaked_run"), F.lit(0)))),
+            failures=("sum", F.sum("is_failure")),
+            releases=("sum", F.sum(_flag(F.col("event") == "released"))),
+            takeovers=("sum", F.sum(_flag(F.col("event") == "lease_taken_over"))),
+            near_misses=("sum", F.sum(F.coalesce(F.col("near_miss"), F.lit(0)))),
+            gaps=("sum", F.count("gap_ms")),
+            gap_max_ms=("max", F.max("gap_ms")),
+            first_ms=("min", F.min(valid_t)),
+            last_ms=("max", F.max(valid_t)),
+            first_delivery_ms=("min", F.min(delivery_t)),
+            last_delivery_ms=("max", F.max(delivery_t)),
+            keep_for_in_force_s=("latest", F.col("keep_for_s")),
+            **{f"bucket {label}": ("sum", column) for label, column in bucket_columns},
+        )
+        scopes: dict[str, dict[str, Any]] = {
+            _scope_key(scope, name): {"scope": scope, "name": name, **values}
+            for scope, name, values in counted
+        }
+        scopes.setdefault("overall", {"scope": "overall", "name": "", "events": 0, "gaps": 0})
+        for scope, name, values in (*self._key_counts, *self._stuck_counts):
+            scopes.setdefault(_scope_key(scope, name), {"scope": scope, "name": name}).update(
+                values
+            )
+        self.scopes = scopes
+
+    def gaps(self) -> None:
+        """Keep the rare rows (duplicates, takeovers, hand-off events: one scan of the kept
+        frame) for this pass and the later ones; from them the take-over recovery percentiles,
+        the gap percentiles per scope (exact up to :data:`EXACT_PERCENTILE_LIMIT` gaps) and the
+        log histogram for the chart."""
+        from pyspark.sql import functions as F
+
+        # the rare rows: duplicates and the hand-off's events, one scan of the kept frame
+        self.notable = self._keep(
+            self.classified.filter(
+                F.col("dup_kind").isNotNull() | _in("event", (*SENDS_EVENTS, "lease_taken_over"))
+            )
+        )
+        # take-over recovery: seconds from a dead owner's last sign of life to the takeover
+        recovery = F.col("recovery_s")
+        for scope, name, values in _scoped(
+            self.notable.filter(F.col("event") == "lease_taken_over"),
+            F.percentile_approx(recovery, [0.5, 0.95], APPROX_ACCURACY).alias("recovery_p"),
+            F.max(recovery).alias("recovery_max_s"),
+        ):
+            self.scopes.setdefault(_scope_key(scope, name), {"scope": scope, "name": name}).update(
+                values
+            )
+        self.duplicates = self.notable.filter(F.col("dup_kind").isNotNull())
+        overall = self.scopes["overall"]
+        gap_count = int(overall.get("gaps") or 0)
+        self.exact = gap_count <= EXACT_PERCENTILE_LIMIT
+        fractions = [fraction for _, fraction in PERCENTILES]
+        percentile = (
+            F.percentile("gap_ms", fractions)
+            if self.exact
+            else F.percentile_approx("gap_ms", fractions, APPROX_ACCURACY)
+        )
+        if gap_count:
+            for scope, name, values in _scoped(
+                self.duplicates.filter(F.col("gap_ms").isNotNull()), percentile.alias("p")
+            ):
+                entry = self.scopes.setdefault(
+                    _scope_key(scope, name), {"scope": scope, "name": name}
+                )
+                for (field, _), value in zip(PERCENTILES, values["p"] or [], strict=False):
+                    entry[field] = _seconds(value)
+        histogram_rows = (
+            self.duplicates.filter(F.col("gap_ms").isNotNull())
+            .groupBy(
+                (
+                    F.floor(F.log10(F.greatest(F.col("gap_ms"), F.lit(1)) / F.lit(1000.0)) * 4) / 4
+                ).alias("bin")
+            )
+            .count()
+            .orderBy("bin")
+            .collect()
+        )
+        self.histogram = [(float(row["bin"]), int(row["count"])) for row in histogram_rows]
+
+    def what_if(self) -> None:
+        """Replay the duplicates against each simulated window; the duplicates-over-time
+        timeline per queue."""
+        from pyspark.sql import functions as F
+
+        overall = self.scopes["overall"]
+        first_ms = overall.get("first_delivery_ms")
+        last_ms = overall.get("last_delivery_ms")
+        span_s = ((last_ms - first_ms) / 1000.0) if first_ms is not None else 0.0
+        distinct = int(overall.get("distinct_keys") or 0)
+        keys_per_s = distinct / max(span_s, 1.0)
+        self.span_s, self.keys_per_s = span_s, keys_per_s
+        what_if: list[dict[str, Any]] = []
+        if self.windows:
+            judged = _in("dup_kind", ("skipped", "rerun"))
+            aggregates = []
+            for index, window in enumerate(self.windows):
+                limit = F.lit(int(window * 1000))
+                kept = (F.col("dup_kind") == "in_flight") | (
+                    judged & (F.col("gap_ms").isNull() | (F.col("gap_ms") <= limit))
+                )
+                lost = (F.col("dup_kind") == "concurrent") | (judged & (F.col("gap_ms") > limit))
+                aggregates += [
+                    F.sum(_flag(kept)).alias(f"s{index}"),
+                    F.sum(_flag(lost)).alias(f"l{index}"),
+                ]
+            counts = self.duplicates.agg(*aggregates).collect()[0].asDict()
+            for index, window in enumerate(self.windows):
+                store_keys = math.ceil(keys_per_s * window - 1e-9)
+                what_if.append(
+                    {
+                        "keep_for_s": int(window) if float(window).is_integer() else window,
+                        "suppressed": int(counts[f"s{index}"] or 0),
+                        "leaked": int(counts[f"l{index}"] or 0),
+                        "store_keys": store_keys,
+                        "store_bytes": {
+                            name: store_keys * size for name, size in self.sizes.items()
+                        },
+                    }
+                )
+        self.what_if_rows = what_if
+        bucket_s = _timeline_bucket(span_s)
+        bucket_ms = bucket_s * 1000
+        self.timeline_bucket_s = bucket_s
+        self.timeline_table = self._keep(
+            self.classified.filter(F.col("is_delivery") == 1)
+            .groupBy(
+                F.col("queue_name").alias("queue"),
+                ((F.floor(F.col("t_ms") / bucket_ms) * bucket_ms).cast("long")).alias("bucket_ms"),
+            )
+            .agg(
+                F.sum(_flag(F.col("dup_kind").isNotNull())).alias("duplicates"),
+                F.count(F.lit(1)).alias("deliveries"),
+            )
+            .select(
+                "queue",
+                F.timestamp_millis("bucket_ms").alias("bucket_start"),
+                "bucket_ms",
+                "duplicates",
+                "deliveries",
+            )
+        )
+        queue_order = sorted(
+            (
+                -(int(v.get("duplicates_skipped") or 0) + int(v.get("leaked_runs") or 0)),
+                v["name"],
+            )
+            for v in self.scopes.values()
+            if v["scope"] == "queue"
+        )[:8]
+        shown = [name for _, name in queue_order]
+        self.timeline = [
+            {
+                "bucket_start": _iso(int(row["bucket_ms"])),
+                "queue": row["queue"],
+                "duplicates": int(row["duplicates"]),
+                "deliveries": int(row["deliveries"]),
+            }
+            for row in self.timeline_table.filter(F.col("queue").isin(shown))
+            .orderBy("bucket_ms", "queue")
+            .collect()
+        ]
+
+    def result(self) -> AuditResult:
+        """The hand-off figures, the samples of leaks and stuck claims, and the report."""
+        from pyspark.sql import functions as F
+
+        handoff, producer = _handoff_figures(self.notable)
+        leaks_sample = [
+            _plain(row.asDict())
+            for row in self.leaks_table.orderBy(F.desc("last_leak_at"))
+            .limit(self.sample_rows)
+            .collect()
+        ]
+        stuck_sample = [
+            _plain(row.asDict())
+            for row in self.stuck_table.orderBy(F.desc("claimed_at"))
+            .limit(self.sample_rows)
+            .collect()
+        ]
+        overall = self.scopes["overall"]
+        total_events = int(overall.get("events") or 0)
+        report, details = _build_report(
+            self.scopes,
+            total_events,
+            self.bound_values,
+            self.safety_factor,
+            self.what_if_rows,
+            self.now,
+        )
+        report["handoff"] = handoff
+        report["producer"] = producer
+        malformed = int(overall.get("malformed") or 0)
+        if malformed:
+            logger.warning("dropped %d malformed event row(s) (no event name or bad ts)", malformed)
+        recommended = int(report["overall"]["recommended_keep_for_s"])
+        jdbc = self.jdbc
+        info: dict[str, Any] = {
+            "sources": [*self.paths, *([f"jdbc:{jdbc.table}"] if jdbc else [])],
+            "malformed": malformed,
+            "first_ts": _iso(overall.get("first_ms")),
+            "last_ts": _iso(overall.get("last_ms")),
+            "span_s": round(self.span_s, 3),
+            "keys_per_s": self.keys_per_s,
+            "percentiles": "exact" if self.exact else "approximate",
+            "broker_bounds": self.bounds,
+            "safety_factor": self.safety_factor,
+            "grace_s": self.grace_s,
+            "near_miss_ratio": NEAR_MISS_RATIO,
+            "bytes_per_key": self.sizes,
+            "recommended_store_keys": math.ceil(self.keys_per_s * recommended - 1e-9),
+        }
+        info["recommended_store_bytes"] = {
+            name: info["recommended_store_keys"] * size for name, size in self.sizes.items()
+        }
+        tables = {
+            "duplicates": self.duplicates.select(
+                "key",
+                F.col("queue_name").alias("queue"),
+                F.col("task_name").alias("task"),
+                "event",
+                F.col("dup_kind").alias("kind"),
+                F.timestamp_millis("t_ms").alias("at"),
+                F.timestamp_millis("anchor_ms").alias("first_run_at"),
+                (F.col("gap_ms") / 1000.0).alias("gap_s"),
+                (F.col("near_miss") == 1).alias("near_miss"),
+                "keep_for_s",
+                "worker",
+                "attempt",
+                "redelivered",
+            ),
+            "leaks": self.leaks_table,
+            "stuck_claims": self.stuck_table,
+            "timeline": self.timeline_table,
+        }
+        return AuditResult(
+            report=report,
+            details=details,
+            what_if=self.what_if_rows,
+            info=info,
+            leaks_sample=leaks_sample,
+            stuck_sample=stuck_sample,
+            histogram=self.histogram,
+            timeline=self.timeline,
+            timeline_bucket_s=self.timeline_bucket_s,
+            tables=tables,
+        )
 
 
 def audit(
@@ -321,20 +894,28 @@ def audit(
     :param shuffle_partitions: Spark shuffle partitions for this audit (default: about one per
         64 MB of input, at least the default parallelism); restored afterwards.
     """
-    from pyspark import StorageLevel
-    from pyspark.sql import Window
-    from pyspark.sql import functions as F
-
-    if safety_factor <= 0:
-        raise ValueError("safety_factor must be positive")
-    bounds = (
-        dict(broker_bounds)
-        if isinstance(broker_bounds, Mapping)
-        else {f"bound {i + 1}": float(b) for i, b in enumerate(broker_bounds)}
+    run = AuditRun(
+        spark,
+        paths,
+        jdbc=jdbc,
+        fmt=fmt,
+        keep_for_s=keep_for_s,
+        broker_bounds=broker_bounds,
+        safety_factor=safety_factor,
+        simulate_windows=simulate_windows,
+        grace_s=grace_s,
+        bytes_per_key=bytes_per_key,
+        sample_rows=sample_rows,
+        now=now,
+        shuffle_partitions=shuffle_partitions,
     )
-    bound_values = [float(v) for v in bounds.values()]
-    windows = sorted({float(w) for w in simulate_windows})
-    sizes = dict(BYTES_PER_KEY if bytes_per_key is None else bytes_per_key)
+    passes: tuple[Callable[[], object], ...] = (
+        run.classify,
+        run.per_key,
+        run.per_scope,
+        run.gaps,
+        run.what_if,
+    )
     steps = len(_STEPS) + (1 if out else 0)
 
     def step(number: int) -> None:
@@ -344,350 +925,12 @@ def audit(
         else:
             logger.info("audit step %d/%d: %s", number, steps, description)
 
-    # 1. read, drop malformed rows, classify each key's events; keep the result for the passes
-    step(1)
-    raw = read_events(spark, paths, jdbc, fmt)
-    previous_partitions = spark.conf.get("spark.sql.shuffle.partitions")
-    partitions = shuffle_partitions or _shuffle_partitions(spark, raw, jdbc is not None)
-    spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
-    logger.info("audit: %d shuffle partitions", partitions)
-    classified = classify(raw, keep_for_s).persist(StorageLevel.MEMORY_AND_DISK)
-    cached = [classified]
     try:
-        # 2. event-level counts per scope
-        step(2)
-        gap_known = F.col("gap_ms").isNotNull()
-        bucket_columns = []
-        lower = None
-        for label, upper in GAP_BUCKETS:
-            condition = gap_known
-            if lower is not None:
-                condition = condition & (F.col("gap_ms") > F.lit(lower * 1000))
-            if upper is not None:
-                condition = condition & (F.col("gap_ms") <= F.lit(upper * 1000))
-            bucket_columns.append(F.sum(_flag(condition)).alias(f"bucket {label}"))
-            lower = upper
-        keep_for_column = F.col("keep_for_s")
-        # takeovers of a dead owner: seconds from its last sign of life to the takeover
-        recovery = F.when(F.col("event") == "lease_taken_over", F.col("recovery_s"))
-        counted = _scoped(
-            classified,
-            F.sum("is_valid").alias("events"),
-            F.sum(1 - F.col("is_valid")).alias("malformed"),
-            F.sum("is_delivery").alias("deliveries"),
-            F.sum("is_run").alias("runs"),
-            F.sum(_flag(F.col("event") == "duplicate_skipped")).alias("duplicates_skipped"),
-            F.sum(_flag(F.col("event") == "in_progress_deferred")).alias("duplicates_in_flight"),
-            F.sum(F.coalesce(F.col("leaked_run"), F.lit(0))).alias("leaked_runs"),
-            F.sum("is_failure").alias("failures"),
-            F.sum(_flag(F.col("event") == "released")).alias("releases"),
-            F.sum(_flag(F.col("event") == "lease_taken_over")).alias("takeovers"),
-            F.percentile_approx(recovery, [0.5, 0.95], APPROX_ACCURACY).alias("recovery_p"),
-            F.max(recovery).alias("recovery_max_s"),
-            F.sum(F.coalesce(F.col("near_miss"), F.lit(0))).alias("near_misses"),
-            F.count("gap_ms").alias("gaps"),
-            F.max("gap_ms").alias("gap_max_ms"),
-            F.min(F.when(F.col("is_valid") == 1, F.col("t_ms"))).alias("first_ms"),
-            F.max(F.when(F.col("is_valid") == 1, F.col("t_ms"))).alias("last_ms"),
-            F.min(F.when(F.col("is_delivery") == 1, F.col("t_ms"))).alias("first_delivery_ms"),
-            F.max(F.when(F.col("is_delivery") == 1, F.col("t_ms"))).alias("last_delivery_ms"),
-            F.max_by(keep_for_column, F.when(keep_for_column.isNotNull(), F.col("t_ms"))).alias(
-                "keep_for_in_force_s"
-            ),
-            *bucket_columns,
-        )
-        scopes: dict[str, dict[str, Any]] = {
-            _scope_key(scope, name): {"scope": scope, "name": name, **values}
-            for scope, name, values in counted
-        }
-        overall = scopes.setdefault(
-            "overall", {"scope": "overall", "name": "", "events": 0, "gaps": 0}
-        )
-        total_events = int(overall.get("events") or 0)
-        log_end_ms = overall.get("last_ms")
-
-        # 3. key-level counts: distinct keys and leaked keys, each key under its first queue/task
-        step(3)
-        first = F.struct("t_ms", "seq")
-        keys = (
-            classified.filter(F.col("key").isNotNull() & (F.col("is_valid") == 1))
-            .groupBy("key")
-            .agg(
-                F.min_by("queue_name", first).alias("queue_name"),
-                F.min_by("task_name", first).alias("task_name"),
-                F.max("is_delivery").alias("delivered"),
-                F.sum("leaked_run").alias("leaked_runs"),
-                F.min(F.when(F.col("leaked_run") == 1, F.col("t_ms"))).alias("first_leak_ms"),
-                F.max(F.when(F.col("leaked_run") == 1, F.col("t_ms"))).alias("last_leak_ms"),
-                F.min("anchor_ms").alias("first_run_ms"),
-            )
-            .persist(StorageLevel.MEMORY_AND_DISK)
-        )
-        cached.append(keys)
-        for scope, name, values in _scoped(
-            keys,
-            F.sum("delivered").alias("distinct_keys"),
-            F.sum(_flag(F.col("leaked_runs") > 0)).alias("leaks"),
-        ):
-            scopes.setdefault(_scope_key(scope, name), {"scope": scope, "name": name}).update(
-                values
-            )
-        leaks_table = keys.filter(F.col("leaked_runs") > 0).select(
-            "key",
-            F.col("queue_name").alias("queue"),
-            F.col("task_name").alias("task"),
-            "leaked_runs",
-            F.timestamp_millis("first_run_ms").alias("first_run_at"),
-            F.timestamp_millis("first_leak_ms").alias("first_leak_at"),
-            F.timestamp_millis("last_leak_ms").alias("last_leak_at"),
-        )
-
-        # 4. stuck claims: each claim is a segment of its key's events
-        step(4)
-        owned = F.col("worker").eqNullSafe(F.col("owner"))
-        segments = (
-            classified.filter(F.col("key").isNotNull() & (F.col("seg") > 0))
-            .groupBy("key", "seg")
-            .agg(
-                F.min(F.when(_in("event", CLAIM_START_EVENTS), F.col("t_ms"))).alias("start_ms"),
-                F.max(F.when(_in("event", CLAIM_START_EVENTS), F.col("event"))).alias("how"),
-                F.max(F.when(_in("event", CLAIM_START_EVENTS), F.col("lease_s"))).alias("lease_s"),
-                F.max(F.when(_in("event", CLAIM_START_EVENTS), F.col("worker"))).alias("worker"),
-                F.max(F.when(_in("event", CLAIM_START_EVENTS), F.col("queue_name"))).alias(
-                    "queue_name"
-                ),
-                F.max(F.when(_in("event", CLAIM_START_EVENTS), F.col("task_name"))).alias(
-                    "task_name"
-                ),
-                F.max(F.when((F.col("event") == "lease_renewed") & owned, F.col("t_ms"))).alias(
-                    "renewed_ms"
-                ),
-                F.min(
-                    F.when(
-                        _in("event", CLAIM_END_EVENTS) & ((F.col("event") != "lease_lost") | owned),
-                        F.col("t_ms"),
-                    )
-                ).alias("end_ms"),
-            )
-        )
-        by_claim = Window.partitionBy("key").orderBy("seg")
-        segments = segments.withColumn(
-            "ended_ms", F.least(F.col("end_ms"), F.lead("start_ms").over(by_claim))
-        ).withColumn(
-            "deadline_ms",
-            F.greatest(F.col("start_ms"), F.col("renewed_ms"))
-            + ((F.col("lease_s") + F.lit(float(grace_s))) * 1000).cast("long"),
-        )
-        stuck = segments.filter(
-            F.col("lease_s").isNotNull()
-            & (
-                (F.col("ended_ms") > F.col("deadline_ms"))
-                | (
-                    F.col("ended_ms").isNull()
-                    & (F.lit(log_end_ms).cast("long") > F.col("deadline_ms"))
-                )
-            )
-        ).persist(StorageLevel.MEMORY_AND_DISK)
-        cached.append(stuck)
-        for scope, name, values in _scoped(stuck, F.count(F.lit(1)).alias("stuck_claims")):
-            scopes.setdefault(_scope_key(scope, name), {"scope": scope, "name": name}).update(
-                values
-            )
-        stuck_table = stuck.select(
-            "key",
-            F.col("queue_name").alias("queue"),
-            F.col("task_name").alias("task"),
-            "worker",
-            "how",
-            "lease_s",
-            F.timestamp_millis("start_ms").alias("claimed_at"),
-            F.timestamp_millis("renewed_ms").alias("last_renewed_at"),
-            F.timestamp_millis("deadline_ms").alias("deadline"),
-            F.timestamp_millis("ended_ms").alias("ended_at"),
-            F.col("ended_ms").isNull().alias("open_at_log_end"),
-        )
-
-        # 5. gaps: percentiles per scope (exact when few), a log histogram for the chart
-        step(5)
-        duplicates = classified.filter(F.col("dup_kind").isNotNull()).persist(
-            StorageLevel.MEMORY_AND_DISK
-        )
-        cached.append(duplicates)
-        gap_count = int(overall.get("gaps") or 0)
-        exact = gap_count <= EXACT_PERCENTILE_LIMIT
-        fractions = [fraction for _, fraction in PERCENTILES]
-        percentile = (
-            F.percentile("gap_ms", fractions)
-            if exact
-            else F.percentile_approx("gap_ms", fractions, APPROX_ACCURACY)
-        )
-        if gap_count:
-            for scope, name, values in _scoped(
-                duplicates.filter(F.col("gap_ms").isNotNull()), percentile.alias("p")
-            ):
-                entry = scopes.setdefault(_scope_key(scope, name), {"scope": scope, "name": name})
-                for (field, _), value in zip(PERCENTILES, values["p"] or [], strict=False):
-                    entry[field] = _seconds(value)
-        histogram_rows = (
-            duplicates.filter(F.col("gap_ms").isNotNull())
-            .groupBy(
-                (
-                    F.floor(F.log10(F.greatest(F.col("gap_ms"), F.lit(1)) / F.lit(1000.0)) * 4) / 4
-                ).alias("bin")
-            )
-            .count()
-            .orderBy("bin")
-            .collect()
-        )
-        histogram = [(float(row["bin"]), int(row["count"])) for row in histogram_rows]
-
-        # 6. what-if windows and the duplicates-over-time timeline
-        step(6)
-        first_ms = overall.get("first_delivery_ms")
-        last_ms = overall.get("last_delivery_ms")
-        span_s = ((last_ms - first_ms) / 1000.0) if first_ms is not None else 0.0
-        distinct = int(overall.get("distinct_keys") or 0)
-        keys_per_s = distinct / max(span_s, 1.0)
-        what_if: list[dict[str, Any]] = []
-        if windows:
-            judged = _in("dup_kind", ("skipped", "rerun"))
-            aggregates = []
-            for index, window in enumerate(windows):
-                limit = F.lit(int(window * 1000))
-                kept = (F.col("dup_kind") == "in_flight") | (
-                    judged & (F.col("gap_ms").isNull() | (F.col("gap_ms") <= limit))
-                )
-                lost = (F.col("dup_kind") == "concurrent") | (judged & (F.col("gap_ms") > limit))
-                aggregates += [
-                    F.sum(_flag(kept)).alias(f"s{index}"),
-                    F.sum(_flag(lost)).alias(f"l{index}"),
-                ]
-            counts = duplicates.agg(*aggregates).collect()[0].asDict()
-            for index, window in enumerate(windows):
-                store_keys = math.ceil(keys_per_s * window - 1e-9)
-                what_if.append(
-                    {
-                        "keep_for_s": int(window) if float(window).is_integer() else window,
-                        "suppressed": int(counts[f"s{index}"] or 0),
-                        "leaked": int(counts[f"l{index}"] or 0),
-                        "store_keys": store_keys,
-                        "store_bytes": {name: store_keys * size for name, size in sizes.items()},
-                    }
-                )
-        bucket_s = _timeline_bucket(span_s)
-        bucket_ms = bucket_s * 1000
-        timeline_table = (
-            classified.filter(F.col("is_delivery") == 1)
-            .groupBy(
-                F.col("queue_name").alias("queue"),
-                ((F.floor(F.col("t_ms") / bucket_ms) * bucket_ms).cast("long")).alias("bucket_ms"),
-            )
-            .agg(
-                F.sum(_flag(F.col("dup_kind").isNotNull())).alias("duplicates"),
-                F.count(F.lit(1)).alias("deliveries"),
-            )
-            .select(
-                "queue",
-                F.timestamp_millis("bucket_ms").alias("bucket_start"),
-                "bucket_ms",
-                "duplicates",
-                "deliveries",
-            )
-            .persist(StorageLevel.MEMORY_AND_DISK)
-        )
-        cached.append(timeline_table)
-        queue_order = sorted(
-            (
-                -(int(v.get("duplicates_skipped") or 0) + int(v.get("leaked_runs") or 0)),
-                v["name"],
-            )
-            for v in scopes.values()
-            if v["scope"] == "queue"
-        )[:8]
-        shown = [name for _, name in queue_order]
-        timeline = [
-            {
-                "bucket_start": _iso(int(row["bucket_ms"])),
-                "queue": row["queue"],
-                "duplicates": int(row["duplicates"]),
-                "deliveries": int(row["deliveries"]),
-            }
-            for row in timeline_table.filter(F.col("queue").isin(shown))
-            .orderBy("bucket_ms", "queue")
-            .collect()
-        ]
-
-        handoff, producer = _handoff_figures(classified)
-
-        # samples for the readable report
-        leaks_sample = [
-            _plain(row.asDict())
-            for row in leaks_table.orderBy(F.desc("last_leak_at")).limit(sample_rows).collect()
-        ]
-        stuck_sample = [
-            _plain(row.asDict())
-            for row in stuck_table.orderBy(F.desc("claimed_at")).limit(sample_rows).collect()
-        ]
-
-        report, details = _build_report(
-            scopes, total_events, bound_values, safety_factor, what_if, now
-        )
-        report["handoff"] = handoff
-        report["producer"] = producer
-        malformed = int(overall.get("malformed") or 0)
-        if malformed:
-            logger.warning("dropped %d malformed event row(s) (no event name or bad ts)", malformed)
-        recommended = int(report["overall"]["recommended_keep_for_s"])
-        info: dict[str, Any] = {
-            "sources": [*paths, *([f"jdbc:{jdbc.table}"] if jdbc else [])],
-            "malformed": malformed,
-            "first_ts": _iso(overall.get("first_ms")),
-            "last_ts": _iso(overall.get("last_ms")),
-            "span_s": round(span_s, 3),
-            "keys_per_s": keys_per_s,
-            "percentiles": "exact" if exact else "approximate",
-            "broker_bounds": bounds,
-            "safety_factor": safety_factor,
-            "grace_s": grace_s,
-            "near_miss_ratio": NEAR_MISS_RATIO,
-            "bytes_per_key": sizes,
-            "recommended_store_keys": math.ceil(keys_per_s * recommended - 1e-9),
-        }
-        info["recommended_store_bytes"] = {
-            name: info["recommended_store_keys"] * size for name, size in sizes.items()
-        }
-        tables = {
-            "duplicates": duplicates.select(
-                "key",
-                F.col("queue_name").alias("queue"),
-                F.col("task_name").alias("task"),
-                "event",
-                F.col("dup_kind").alias("kind"),
-                F.timestamp_millis("t_ms").alias("at"),
-                F.timestamp_millis("anchor_ms").alias("first_run_at"),
-                (F.col("gap_ms") / 1000.0).alias("gap_s"),
-                (F.col("near_miss") == 1).alias("near_miss"),
-                "keep_for_s",
-                "worker",
-                "attempt",
-                "redelivered",
-            ),
-            "leaks": leaks_table,
-            "stuck_claims": stuck_table,
-            "timeline": timeline_table,
-        }
-        result = AuditResult(
-            report=report,
-            details=details,
-            what_if=what_if,
-            info=info,
-            leaks_sample=leaks_sample,
-            stuck_sample=stuck_sample,
-            histogram=histogram,
-            timeline=timeline,
-            timeline_bucket_s=bucket_s,
-            tables=tables,
-        )
+        for number, one_pass in enumerate(passes, 1):
+            step(number)
+            one_pass()
+        step(len(passes) + 1)
+        result = run.result()
         if out is not None:
             step(steps)
             from taskonce.spark_ext.report import write_outputs
@@ -695,9 +938,7 @@ def audit(
             write_outputs(spark, result, out, charts=charts)
         return result
     finally:
-        for frame in cached:
-            frame.unpersist()
-        spark.conf.set("spark.sql.shuffle.partitions", previous_partitions or "200")
+        run.close()
 
 
 #: The hand-off's figures in ``report.json`` (``"handoff"``), in this order.
@@ -727,11 +968,7 @@ def _handoff_figures(classified: DataFrame) -> tuple[dict[str, Any], dict[str, A
     handler = F.col("key").isNotNull()
     producer = F.col("key").isNull() & F.col("message_id").startswith("outbox:")
     events = classified.filter(
-        (F.col("is_valid") == 1)
-        & (handler | producer)
-        & _in(
-            "event", ("sends_deferred", "sends_dispatched", "sends_redispatched", "sends_discarded")
-        )
+        (F.col("is_valid") == 1) & (handler | producer) & _in("event", SENDS_EVENTS)
     ).select(
         F.when(handler, F.lit("handoff")).otherwise(F.lit("producer")).alias("part"),
         F.coalesce(F.col("key"), F.col("message_id")).alias("record"),
