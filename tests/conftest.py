@@ -20,17 +20,6 @@ def store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Store]:
         drop_store(s)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``spark_cluster`` (minutes of JVMs) run only when ``-m`` names them
-    (``make spark-cluster``); the default run deselects them, and says how many."""
-    if "spark_cluster" in (config.getoption("markexpr") or ""):
-        return
-    dropped = [item for item in items if item.get_closest_marker("spark_cluster")]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if not item.get_closest_marker("spark_cluster")]
-
-
 @pytest.fixture(scope="session", autouse=True)
 def redis_deployments_stopped() -> Iterator[None]:
     """Stop the Redis Cluster and Sentinel servers a test started (by their pids), if any."""

@@ -5,8 +5,9 @@ machine: the same path) and from a PostgreSQL table over JDBC (Debian's driver j
 the executors by ``spark.jars``); both reports equal, figure for figure, the audit of the same
 events on ``local[2,2]``.
 
-Marked ``spark_cluster``: it starts four JVMs besides the test session's own, so it runs in
-``make spark-cluster`` and is deselected from the default run (see tests/conftest.py).
+Marked ``slow`` and ``spark_cluster``: it starts four JVMs besides the test session's own (about
+two minutes on a quiet 2-CPU machine). It is part of the default run; ``make spark-cluster`` runs
+it alone.
 """
 
 from __future__ import annotations
