@@ -144,8 +144,8 @@ SETTINGS = {
         stateful_step_count=25,
         phases=[Phase.explicit, Phase.reuse, Phase.generate],
     ),
-    "redis": settings(max_examples=25, stateful_step_count=20),
-    "sqlite": settings(max_examples=20, stateful_step_count=20),
+    "redis": settings(max_examples=15, stateful_step_count=20),
+    "sqlite": settings(max_examples=15, stateful_step_count=20),
 }
 
 

@@ -235,7 +235,27 @@ def test_a_connection_in_someone_elses_transaction_hands_the_publish_to_on_commi
             pass
 
 
-def test_sqlite_without_the_table_inside_a_transaction_is_a_clear_error(tmp_path: Any) -> None:
+class _NoLiveness:
+    """A guard's liveness writer that writes nothing: the real one creates the store's tables
+    from its thread as soon as the guard exists, which would race the missing-table check."""
+
+    def __init__(self, store: Any) -> None:
+        pass
+
+    def ensure(self) -> None:
+        pass
+
+    def silence_wait(self) -> float:
+        return 0.0
+
+    def stop(self) -> None:
+        pass
+
+
+def test_sqlite_without_the_table_inside_a_transaction_is_a_clear_error(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(taskonce.guard, "Liveness", _NoLiveness)
     store = taskonce.open_store(f"sqlite:///{tmp_path}/fresh.db")
     guard = taskonce.Guard(store)
     guard.register_publisher(FRAMEWORK, Broker())

@@ -171,7 +171,7 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
     return StoreMachine
 
 
-EXAMPLES = {"memory": 150, "redis": 40, "postgresql": 25, "mariadb": 25, "sqlite": 25}
+EXAMPLES = {"memory": 150, "redis": 25, "postgresql": 25, "mariadb": 25, "sqlite": 25}
 EXAMPLES.update({"redis-cluster": 8, "redis-sentinel": 15})
 
 
