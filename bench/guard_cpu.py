@@ -37,10 +37,7 @@ import argparse
 import os
 import platform
 import shlex
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -49,6 +46,7 @@ from typing import Any
 
 import hiredis
 import redis
+from local_redis import start_redis
 
 import taskonce
 from taskonce.stores.redis import RedisStore
@@ -60,31 +58,6 @@ QUEUE = "default"
 
 def noop() -> None:
     """The handler: does nothing."""
-
-
-def start_redis() -> tuple[subprocess.Popen[bytes], int]:
-    """A redis-server on a free loopback port, no persistence."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return process, port
-        except OSError:
-            if time.monotonic() > deadline:
-                process.kill()
-                raise
-            time.sleep(0.05)
 
 
 def ids(n: int) -> list[str]:

@@ -27,10 +27,7 @@ import argparse
 import gc
 import itertools
 import os
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -45,6 +42,7 @@ import taskonce
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from docs_section import command_lines, write_section
+from local_redis import start_redis
 
 SECTION = "## Producer outbox: a web request that writes a row and sends a task"
 URLS = {
@@ -52,30 +50,6 @@ URLS = {
     "mariadb": "mysql+pymysql://root@127.0.0.1:3306/test",
 }
 LABELS = {"postgresql": "PostgreSQL", "mariadb": "MariaDB"}
-
-
-def start_redis() -> tuple[subprocess.Popen[bytes], int]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return process, port
-        except OSError:
-            if time.monotonic() > deadline:
-                process.kill()
-                raise
-            time.sleep(0.05)
 
 
 def frameworks(guard: taskonce.Guard, port: int, queue: str) -> dict[str, Callable[[int], Any]]:
