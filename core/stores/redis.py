@@ -550,9 +550,14 @@ class _SharedTrips:
         if acked is not None:
             self._answer_replicated(batch, replies, int(acked), loaded)
             return
+        self._answer(batch, replies)
+
+    def _answer(self, batch: list[_Call], replies: list[Any]) -> None:
+        """Answer each call of a round trip with its own reply; a call whose script the server
+        no longer has (after a restart or SCRIPT FLUSH) is sent again alone, which loads it."""
         for call, reply in zip(batch, replies, strict=True):
             if isinstance(reply, redis.exceptions.NoScriptError):
-                self._send_one(call)  # loads the script (after a restart or SCRIPT FLUSH)
+                self._send_one(call)
             elif isinstance(reply, BaseException):
                 call.answer(error=reply)
             else:
@@ -675,13 +680,7 @@ class _SharedTrips:
             return
         if any(_cannot_answer(reply) for reply in replies if isinstance(reply, BaseException)):
             self._drop_connection()  # e.g. a master demoted by a failover: find the new one
-        for call, reply in zip(sendable, replies, strict=True):
-            if isinstance(reply, redis.exceptions.NoScriptError):
-                self._send_own(call)  # loads the script (after a restart or SCRIPT FLUSH)
-            elif isinstance(reply, BaseException):
-                call.answer(error=reply)
-            else:
-                call.answer(reply)
+        self._answer(sendable, replies)
 
     def _drop_connection(self) -> None:
         """Give the kept connection back to the pool, disconnected: after an error its state
