@@ -42,7 +42,7 @@ HEADING = "## Adapters' own CPU per message"
 import dramatiq  # noqa: E402
 from celery import Celery  # noqa: E402
 from celery.app.trace import build_tracer  # noqa: E402
-from docs_section import DOC, write_section  # noqa: E402  (bench/ is sys.path[0])
+from docs_section import DOC, command_lines, write_section  # noqa: E402  (bench/ is sys.path[0])
 from dramatiq.broker import MessageProxy  # noqa: E402
 from dramatiq.brokers.stub import StubBroker  # noqa: E402
 
@@ -173,12 +173,7 @@ def render(
         "The adapters' own share per message (*dramatiq hooks − guard*; *celery guarded − "
         "celery plain − guard*): " + "; ".join(shares) + ".",
         "",
-        "Command:",
-        "",
-        "```",
-        command,
-        "```",
-        "",
+        *command_lines(command),
     ]
     return "\n".join(lines)
 

@@ -294,6 +294,8 @@ def render(
     command: str,
     load: tuple[str, str],
 ) -> str:
+    from bench.docs_section import command_lines
+
     lines = [
         HEADING,
         "",
@@ -359,12 +361,7 @@ def render(
         "Against the aims (taskonce's worker CPU at most 200 µs per message above plain; "
         "taskonce at least as fast as the hand-written guard): " + "; ".join(verdicts) + ".",
         "",
-        "Command:",
-        "",
-        "```",
-        command,
-        "```",
-        "",
+        *command_lines(command),
     ]
     return "\n".join(lines)
 
