@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos.soak import judge
+from bench.chaos.soak import judge, lost_by_broker
 from tests.helpers import IN_CI, require_service
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,3 +116,27 @@ def test_a_second_row_without_a_fault_is_unexplained() -> None:
         expected, counts, quiet, {("k1", "parent"): {41}}, {41: "kill_child"}, transactional=False
     )
     assert hit.held and hit.doubled["k1/parent"]["explained_by"] == ["kill_child:41"]
+
+
+def test_the_drain_publishes_again_what_the_broker_lost_parents_and_children_alike() -> None:
+    missing = [("k1", "parent"), ("k2", "child"), ("k3", "child"), ("k1", "child")]
+    ids = {item: f"{item[0]}-{item[1]}" for item in missing}
+    last = {"k1-parent": "claimed", "k2-child": "released"}  # k3's child was never received
+    split = lost_by_broker(missing, ids, last, dispatched={"k2", "k3"})
+    assert split.failure is None
+    # k1's child waits for k1, which runs again and sends it
+    assert split.republish == [("k1", "parent"), ("k2", "child"), ("k3", "child")]
+    assert split.undispatched == []
+
+
+def test_a_child_never_dispatched_waits_and_a_handled_item_without_its_row_fails() -> None:
+    missing = [("k1", "child")]
+    ids = {("k1", "child"): "c1"}
+    waiting = lost_by_broker(missing, ids, {}, dispatched=set())
+    assert waiting.republish == [] and waiting.undispatched == ["k1"]
+    assert waiting.failure is None
+    handled = lost_by_broker(missing, ids, {"c1": "completed"}, dispatched={"k1"})
+    assert handled.failure == "k1/child was recorded as handled but has no ledger row"
+    assert handled.republish == []
+    parent = lost_by_broker([("k2", "parent")], {("k2", "parent"): "p2"}, {"p2": "marked"}, set())
+    assert parent.failure is not None and "k2/parent" in parent.failure

@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.chaos.common import Config, create_tables, drop_tables  # noqa: E402
+from taskonce.handoff import derive_id  # noqa: E402
 from taskonce.worker import LIVENESS_WINDOW  # noqa: E402
 
 PG_URL = os.environ.get("TASKONCE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
@@ -79,6 +80,11 @@ REDIS_STORE_ONLY = ("store_stop", "store_kill")
 #: still holds messages, after which the drain restarts the workers.
 STALL = 45.0
 HANDLED_EVENTS = frozenset({"completed", "marked", "duplicate_skipped", "concurrent_duplicate"})
+#: Events that say a parent's deferred sends (its child) were published: the broker took them.
+DISPATCH_EVENTS = frozenset({"sends_dispatched", "sends_redispatched"})
+#: Seconds an empty broker may wait for the relay to publish a child whose parent has its row
+#: (the workers' relays sweep every 5 s); past that, the child is lost by taskonce.
+UNDISPATCHED_GRACE = 60.0
 #: Events that show the guard saw a fault on a key: a second run of it is explained by them.
 EXPLAINING_EVENTS = frozenset(
     {"lease_taken_over", "lease_lost", "released", "store_error", "concurrent_duplicate"}
@@ -297,10 +303,13 @@ class Publisher:
             )
             self.broker.declare_queue(config.namespace)
 
-    def publish(self, key: str, message_id: str) -> None:
+    def publish(self, key: str, message_id: str, kind: str = "parent") -> None:
+        """Publish ``pay(key)`` (``kind`` "parent") or ``child(key)`` (``kind`` "child", as
+        the hand-off would: same queue, same id)."""
+        actor = "pay" if kind == "parent" else "child"
         if self.framework == "celery":
             self.app.send_task(
-                "chaos.pay",
+                f"chaos.{actor}",
                 args=[key],
                 task_id=message_id,
                 queue=self.config.namespace,
@@ -312,7 +321,7 @@ class Publisher:
         self.broker.enqueue(
             dramatiq.Message(
                 queue_name=self.config.namespace,
-                actor_name="pay",
+                actor_name=actor,
                 args=(key,),
                 kwargs={},
                 options={},
@@ -412,6 +421,10 @@ class Soak:
         self.started = time.monotonic()
         #: keys the broker or framework lost (never delivered to a guarded handler)
         self.broker_lost: list[str] = []
+        #: keys whose child the broker lost after the guard had published it
+        self.broker_lost_children: list[str] = []
+        #: keys whose parent has its row but whose child was not dispatched: since when
+        self.undispatched_since: dict[str, float] = {}
         #: times the drain restarted the workers to free messages stuck with a live consumer
         self.drain_restarts = 0
 
@@ -510,14 +523,18 @@ class Soak:
         finally:
             self.teardown()
 
-    def _publish(self, key: str, message_id: str) -> bool:
+    def _publish(self, key: str, message_id: str, kind: str = "parent") -> bool:
         try:
-            self.publisher.publish(key, message_id)
+            self.publisher.publish(key, message_id, kind)
         except Exception as exc:  # the broker is being restarted: try again next tick
-            self.sent.setdefault(key, message_id)
-            self.log_fault("publish_failed", key=key, error=f"{type(exc).__name__}: {exc}")
+            if kind == "parent":
+                self.sent.setdefault(key, message_id)
+            self.log_fault(
+                "publish_failed", key=key, task=kind, error=f"{type(exc).__name__}: {exc}"
+            )
             return False
-        self.sent[key] = message_id
+        if kind == "parent":
+            self.sent[key] = message_id
         return True
 
     def _run_scheduled(self, now: float) -> None:
@@ -665,8 +682,12 @@ class Soak:
         by a consumer that died before recording it, a reply a restarting broker never sent.
         A careful producer publishes again what was not confirmed, with the same id; the soak
         does that too and counts it (``broker_lost``, with the key's last event in the faults
-        log). A missing key whose last event says handled (completed, marked, skipped) is a
-        loss of taskonce's: the drain ends and the verdict says so.
+        log). With ``--handoff`` a child is treated alike once its parent has its row and the
+        guard published its parent's sends (``sends_dispatched``): the soak publishes it again
+        under the id the hand-off derived for it (``broker_lost_children``). A child whose
+        parent's sends stay undispatched for :data:`UNDISPATCHED_GRACE` seconds, and a missing
+        key or child whose last event says handled (completed, marked, skipped), are losses of
+        taskonce's: the drain ends and the verdict says so.
 
         When the broker holds messages and nothing moves for :data:`STALL` seconds, they sit
         with a live consumer that never received them: the workers are restarted
@@ -719,24 +740,76 @@ class Soak:
         return False, f"not drained after {timeout}s"
 
     def _republish_lost(self, missing: list[tuple[str, str]]) -> str | None:
-        last: dict[str, str] = {}
-        for event in self._events():
-            last[str(event.get("message_id"))] = str(event["event"])
-        for key, kind in missing:
-            if kind != "parent":
-                return f"{key}/{kind} never ran"
-            if last.get(self.sent[key]) in HANDLED_EVENTS:
-                return f"{key} was recorded as handled but has no ledger row"
-        for key, _ in missing:
-            self.broker_lost.append(key)
+        events = self._events()
+        last = {str(event.get("message_id")): str(event["event"]) for event in events}
+        message_ids = {item: self._message_id(*item) for item in missing}
+        split = lost_by_broker(missing, message_ids, last, self._dispatched(events))
+        if split.failure is not None:
+            return split.failure
+        now = time.monotonic()
+        self.undispatched_since = {
+            key: self.undispatched_since.get(key, now) for key in split.undispatched
+        }
+        late = sorted(
+            key
+            for key, since in self.undispatched_since.items()
+            if now - since >= UNDISPATCHED_GRACE
+        )
+        if late:
+            return (
+                f"{late[0]}/child: its parent has its row but its deferred sends were never "
+                f"dispatched (still pending after {UNDISPATCHED_GRACE:.0f} s of an empty broker; "
+                f"{len(late)} such key(s))"
+            )
+        for key, kind in split.republish:
+            message_id = message_ids[(key, kind)]
+            (self.broker_lost if kind == "parent" else self.broker_lost_children).append(key)
             self.log_fault(
                 "republished_lost",
                 key=key,
-                message_id=self.sent[key],
-                last_event=last.get(self.sent[key]),
+                task=kind,
+                message_id=message_id,
+                last_event=last.get(message_id),
             )
-            self._publish(key, self.sent[key])
+            self._publish(key, message_id, kind)
         return None
+
+    def _store_key(self, message_id: str) -> str:
+        """The guard's key of a message of this run (identity ``id+queue``: ``queue:id``; the
+        queue is the namespace, which needs no escaping)."""
+        return f"{self.config.namespace}:{message_id}"
+
+    def _message_id(self, key: str, kind: str) -> str:
+        """The id of a parent (as sent) or of its child: the hand-off derives a child's id from
+        its parent's guard key and the send's ordinal (the body sends one child)."""
+        parent = self.sent[key]
+        return parent if kind == "parent" else derive_id(self._store_key(parent), 0)
+
+    def _dispatched(self, events: list[dict[str, Any]]) -> set[str]:
+        """The keys whose parent's deferred sends were published: a ``sends_dispatched`` (or
+        ``sends_redispatched``) event names the parent's guard key; with the SQL store, also a
+        completed parent record no longer holding pending sends (the store marks them
+        dispatched only once the broker took them; a worker killed right after that write
+        never logs the event)."""
+        by_store_key = {self._store_key(message_id): key for key, message_id in self.sent.items()}
+        done = {
+            by_store_key[str(event.get("key"))]
+            for event in events
+            if event["event"] in DISPATCH_EVENTS and str(event.get("key")) in by_store_key
+        }
+        if self.store_server is None and self.options.handoff:
+            try:
+                rows = self.pg.execute(
+                    f"SELECT key, status FROM {self.config.namespace}"
+                ).fetchall()
+            except psycopg.Error:
+                return done
+            done.update(
+                by_store_key[str(key)]
+                for key, status in rows
+                if str(key) in by_store_key and status != "sending"
+            )
+        return done
 
     def _events_size(self) -> int:
         try:
@@ -764,6 +837,16 @@ class Soak:
             message_keys[str(message_id)] = (str(key), str(kind))
         for key, message_id in self.sent.items():
             message_keys[message_id] = (key, "parent")
+        # The drain publishes a lost child again under the id it derives: every child that ran
+        # must have run under that id, or the republished copy would be another message.
+        unexpected_child_ids = sorted(
+            f"{key}:{message_id}"
+            for key, kind, _, message_id in runs
+            if kind == "child" and message_id != self._message_id(str(key), "child")
+        )
+        if self.options.handoff:
+            for key in self.sent:
+                message_keys[self._message_id(key, "child")] = (key, "child")
         events = self._events()
         per_key: dict[tuple[str, str], collections.Counter[str]] = collections.defaultdict(
             collections.Counter
@@ -774,7 +857,7 @@ class Soak:
                 per_key[item][event["event"]] += 1
         transactional = self.config.transactional
         verdict = judge(self._expected(), counts, per_key, run_pids, self.victims, transactional)
-        held = drained and verdict.held
+        held = drained and verdict.held and not unexpected_child_ids
         lost, doubled, unexplained = verdict.lost, verdict.doubled, verdict.unexplained
         event_counts = collections.Counter(event["event"] for event in events)
         report = {
@@ -802,6 +885,9 @@ class Soak:
             "unexplained_keys": unexplained[:100],
             "doubled_keys": dict(list(doubled.items())[:100]),
             "broker_lost": len(self.broker_lost),
+            "broker_lost_children": len(self.broker_lost_children),
+            "broker_lost_children_keys": self.broker_lost_children[:100],
+            "unexpected_child_ids": unexpected_child_ids[:100],
             "drain_restarts": self.drain_restarts,
             "broker_lost_keys": self.broker_lost[:100],
             "dead_lettered": self._dead_lettered(),
@@ -869,12 +955,62 @@ def judge(
     return Verdict(lost, doubled, unexplained, held)
 
 
+@dataclasses.dataclass
+class LostSplit:
+    """What the drain does with the items still missing once the broker holds nothing."""
+
+    #: (key, kind) the broker or the framework lost: published again with the same id
+    republish: list[tuple[str, str]]
+    #: keys whose parent has its row but whose child the guard has not published yet
+    undispatched: list[str]
+    #: why the run fails at once (taskonce lost an item), or None
+    failure: str | None = None
+
+
+def lost_by_broker(
+    missing: list[tuple[str, str]],
+    message_ids: dict[tuple[str, str], str],
+    last: dict[str, str],
+    dispatched: set[str],
+) -> LostSplit:
+    """Sort the missing ``(key, kind)`` items, given each one's message id, the last guard
+    event of each message id, and the keys whose parent's deferred sends were published.
+
+    An item whose last event says handled (completed, marked, skipped) but that has no row was
+    lost by taskonce: a failure. A parent that was not: lost by the broker or the framework,
+    published again. A child whose parent is missing too waits for its parent. A child whose
+    parent has its row waits while its parent's sends are not dispatched (the relay publishes
+    them; the caller fails the run if that never happens); once they were, the broker lost
+    it: published again with the id the hand-off gave it (guarded, so a second copy is
+    harmless).
+    """
+    republish: list[tuple[str, str]] = []
+    undispatched: list[str] = []
+    for key, kind in missing:
+        if last.get(message_ids[(key, kind)]) in HANDLED_EVENTS:
+            failure = f"{key}/{kind} was recorded as handled but has no ledger row"
+            return LostSplit([], [], failure)
+        if kind == "parent":
+            republish.append((key, kind))
+        elif (key, "parent") in missing:
+            continue  # its parent runs first, then sends it
+        elif key in dispatched:
+            republish.append((key, kind))
+        else:
+            undispatched.append(key)
+    return LostSplit(republish, undispatched)
+
+
 def summary(report: dict[str, Any]) -> str:
     faults = ", ".join(f"{kind}={n}" for kind, n in report["faults"].items()) or "none"
+    children = (
+        f" + {report.get('broker_lost_children', 0)} children" if report.get("handoff") else ""
+    )
     return (
         f"{report['variant']}: {'HELD' if report['held'] else 'BROKEN'} · "
         f"{report['messages']} messages · {report['faults_total']} faults ({faults}) · "
-        f"lost {report['lost']} · broker lost (published again) {report['broker_lost']} · "
+        f"lost {report['lost']} · broker lost (published again) {report['broker_lost']}"
+        f"{children} · "
         f"doubled {report['doubled']} · explained {report['explained']}"
         f" · drain {report['drain_s']} s · {report['folder']}"
     )

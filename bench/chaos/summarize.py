@@ -27,7 +27,9 @@ def table(reports: list[dict[str, object]], command: str) -> str:
         "Each row is one run of `bench/chaos/soak.py`: its messages, how long faults were "
         "injected, the faults by kind, and the ledger's verdict after the drain. *Broker lost* "
         "counts messages the broker or the framework lost that the guard had never recorded as "
-        "handled (published again by the soak, with the same id, as a producer would).",
+        "handled (published again by the soak, with the same id, as a producer would); in the "
+        "hand-off rows, *+ N children* counts children the guard had published that the broker "
+        "then lost (published again by the soak with the id the hand-off gave them).",
         "",
         "| variant | messages | faults for | faults | lost | broker lost | doubled | explained "
         "| drain | promise held |",
@@ -35,9 +37,12 @@ def table(reports: list[dict[str, object]], command: str) -> str:
     ]
     for r in reports:
         faults = ", ".join(f"{k} {v}" for k, v in dict(r["faults"]).items())  # type: ignore[call-overload]
+        broker_lost = f"{r.get('broker_lost', 0)}"
+        if r.get("handoff"):
+            broker_lost += f" + {r.get('broker_lost_children', 0)} children"
         lines.append(
             f"| {r['variant']} | {r['messages']} | {r['injected_s']} s | {r['faults_total']}: "
-            f"{faults} | {r['lost']} | {r.get('broker_lost', 0)} | {r['doubled']} "
+            f"{faults} | {r['lost']} | {broker_lost} | {r['doubled']} "
             f"| {r['explained']} | {r['drain_s']} s | {'yes' if r['held'] else '**no**'} |"
         )
     lines += ["", *command_lines(command)]
