@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import enum
+import itertools
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ from taskonce.keys import fingerprint, make_key
 from taskonce.policy import Policy
 from taskonce.session import _current
 from taskonce.stores.base import ClaimOutcome, Record, Status, Store
-from taskonce.worker import Identity, Liveness, identity, owner_gone
+from taskonce.worker import Identity, Liveness, identity, identity_text, owner_gone
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -85,6 +86,32 @@ OUTBOX_PREFIX = "outbox:"
 #: The guards that frameworks registered publishers with, in this process: where
 #: :func:`taskonce.send_on_commit` finds its guard when none is named.
 _PUBLISHING: weakref.WeakSet[Guard] = weakref.WeakSet()
+
+
+class _Tokens:
+    """Owner tokens: 32 hex digits, a random half drawn once per process and a counter.
+
+    A token only has to differ from every other claim's token (it fences writes; it is no
+    secret: whoever can read the store can read it). Drawing all 16 bytes from the OS for
+    every claim cost a system call per delivery; a forked child draws its own random half
+    before its first token, so parent and child never share one.
+    """
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._head = ""
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        pid = os.getpid()
+        if pid != self._pid:
+            self._head = secrets.token_hex(8)
+            self._count = itertools.count()
+            self._pid = pid
+        return f"{self._head}{next(self._count):016x}"
+
+
+_owner_tokens = _Tokens()
 
 
 def publishing_guards() -> list[Guard]:
@@ -486,6 +513,11 @@ class Guard:
         """The policy in force for ``queue``, with a per-task ``override`` applied."""
         if override is None:
             return self.queues.get(queue, self.default)
+        if isinstance(override, Policy):
+            # A Policy replaces the queue's whole (Policy.overridden_by): nothing to apply or
+            # cache. Adapters pass one on every delivery.
+            self._check_store_supports(override)
+            return override
         cache_key = None
         if isinstance(override, Mapping):
             # A dict override is checked and applied once per (queue, its items); values are
@@ -559,9 +591,9 @@ class Guard:
         assert ticket.key is not None
         key, policy = ticket.key, ticket.policy
         self._liveness.ensure()  # a write only on a process's first claim
-        me = str(identity())
+        me = identity_text()
         for _ in range(_TAKE_OVER_ATTEMPTS):
-            owner = secrets.token_hex(16)
+            owner = _owner_tokens.next()
             claim = self.store.claim(
                 key, owner, policy.lease, policy.keep_for, ticket.fingerprint, me
             )

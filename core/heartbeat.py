@@ -63,7 +63,7 @@ class Heartbeat:
             handle = next(self._ids)
             self._watched[handle] = _Watch(due, interval, renew)
             self._shortest = min(self._shortest, interval)
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:  # the loop clears it if it ever ends (cheaper than is_alive)
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
             elif due < self._wake_at:
@@ -76,6 +76,14 @@ class Heartbeat:
             self._watched.pop(handle, None)
 
     def _loop(self) -> None:
+        try:
+            self._renew_due()
+        finally:
+            with self._cond:
+                if self._thread is threading.current_thread():
+                    self._thread = None  # the next watch starts a new one
+
+    def _renew_due(self) -> None:
         idle = False  # looked once more after the last watch went
         while True:
             with self._cond:

@@ -136,6 +136,18 @@ def identity() -> Identity:
     return _cached[1]
 
 
+_cached_text: tuple[Identity, str] | None = None
+
+
+def identity_text() -> str:
+    """``str(identity())``, formatted once per identity: it is written with every claim."""
+    global _cached_text
+    me = identity()
+    if _cached_text is None or _cached_text[0] is not me:
+        _cached_text = (me, str(me))
+    return _cached_text[1]
+
+
 def owner_gone(owner: Identity) -> bool | None:
     """Whether ``owner`` is known dead by a look at this host's processes: True when it ran on
     this host and its process no longer exists (a reused pid has another start time); False
@@ -210,7 +222,7 @@ class Liveness:
         """Write this process's liveness record now."""
         with self._lock:
             try:
-                self._store.beat(str(identity()), LIVENESS_WINDOW)
+                self._store.beat(identity_text(), LIVENESS_WINDOW)
             except BaseException:
                 self._healthy_since = None
                 raise
@@ -280,6 +292,7 @@ __all__ = [
     "Liveness",
     "host_name",
     "identity",
+    "identity_text",
     "owner_gone",
     "process_start",
 ]

@@ -93,6 +93,28 @@ def test_identity_is_recomputed_in_a_forked_child() -> None:
     )
 
 
+def test_owner_tokens_differ_between_a_parent_and_its_forked_child() -> None:
+    """A claim's owner token fences its writes: a forked child must never make one its parent
+    made (the tokens' random half is drawn again in the child)."""
+    store = MemoryStore()
+    guard = Guard(store)
+    made = [guard.begin(Delivery(f"p{i}", "q")).owner for i in range(3)]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its tokens and leave without running pytest's teardown
+        tokens = [guard.begin(Delivery(f"c{i}", "q")).owner or "" for i in range(3)]
+        os.write(write, ",".join(tokens).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = os.read(read, 10_000).decode().split(",")
+    os.close(read)
+    made += [guard.begin(Delivery(f"p{i}", "q2")).owner for i in range(3)]
+    assert all(isinstance(t, str) and len(t) == 32 for t in made + child)
+    assert len(set(made + child)) == len(made) + len(child)
+    assert {t[:16] for t in child}.isdisjoint({t[:16] for t in made if t})
+
+
 def test_worker_id_from_the_environment_replaces_the_host_name(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
