@@ -1,11 +1,13 @@
 """The audit pipeline: classify every event of every key, aggregate per queue / per task /
 overall, and recommend a retention window.
 
-All work over events is Spark DataFrame operations (one window over each key's events, then
-aggregations per key, per queue and task pair, or with grouping sets), in the passes of
-:class:`AuditRun`; the driver only ever collects aggregates whose size does not grow with the
-log (one row per queue, task, queue and task pair, bucket or window), plus at most
-``sample_rows`` example rows of leaks and stuck claims for the human-readable report.
+All work over events is Spark DataFrame operations with built-in functions only (one grouping
+of the events by key, each key's row classified by its own aggregates and, for its claims,
+higher-order functions over its events; then aggregations per queue and task pair, or with
+grouping sets), in the passes of :class:`AuditRun`; the driver only ever collects aggregates
+whose size does not grow with the log (one row per queue, task, queue and task pair, bucket or
+window), plus at most ``sample_rows`` example rows of leaks and stuck claims for the
+human-readable report.
 
 The meaning of every figure is written out in docs/audit.md.
 """
@@ -63,9 +65,9 @@ ProgressFn = Callable[[int, int, str], None]
 #: The progress steps: one per pass of :class:`AuditRun`, then "writing the outputs".
 _STEPS = (
     "reading and classifying events",
-    "counting keys, leaks and stuck claims",
+    "counting stuck claims",
     "counting per queue and task",
-    "measuring redelivery gaps",
+    "measuring redelivery gaps and leaks",
     "replaying windows and timeline",
     "summing up the hand-off and the report",
 )
@@ -155,7 +157,8 @@ def _flag(condition: Column) -> Column:
 
 def classify(events: DataFrame, keep_for_s: float | None = None) -> DataFrame:
     """Per-event classification over each key's timeline (one window, ordered by time and then
-    source order).
+    source order): the definition the audit's own classification from each key's grouped row
+    (:func:`group_by_key`) gives the same figures as, row for row.
 
     Adds: ``done_before`` (completed/marked events of the key before this one), ``anchor_ms``
     (the key's first claim or mark so far), ``seg`` (the number of claims started so far),
@@ -242,6 +245,264 @@ def classify(events: DataFrame, keep_for_s: float | None = None) -> DataFrame:
         _flag(_in("event", FAILURE_EVENTS)).alias("is_failure"),
         name_of["queue"].alias("queue_name"),
         name_of["task"].alias("task_name"),
+    )
+
+
+#: The fields of each event that the passes after the grouping by key use, in the order of the
+#: per-key arrays (``t_ms`` then ``seq`` first: the arrays sort on them).
+EVENT_FIELDS = (
+    "t_ms",
+    "seq",
+    "event",
+    "queue_name",
+    "task_name",
+    "worker",
+    "lease_s",
+    "keep_for_s",
+    "recovery_s",
+    "attempt",
+    "redelivered",
+    "message_id",
+)
+
+
+def _named(events: DataFrame) -> DataFrame:
+    """Null the event name of malformed rows and add ``queue_name``/``task_name``: row by row,
+    before any shuffle."""
+    from pyspark.sql import functions as F
+
+    valid = (
+        F.col("event").isin(sorted(EVENT_NAMES))
+        & F.col("t_ms").isNotNull()
+        & F.col(CORRUPT_COLUMN).isNull()
+    )
+    name_of = {
+        name: F.when(valid, F.coalesce(F.nullif(F.col(name), F.lit("")), F.lit(NONE_NAME)))
+        .otherwise(F.lit(NONE_NAME))
+        .alias(f"{name}_name")
+        for name in ("queue", "task")
+    }
+    return events.select(
+        "*",
+        valid.alias("_valid"),
+        name_of["queue"],
+        name_of["task"],
+    ).withColumn("event", F.when(F.col("_valid"), F.col("event")))
+
+
+def group_by_key(events: DataFrame) -> DataFrame:
+    """Each key's valid events as one row: ``key``, ``events`` (an array of structs of
+    :data:`EVENT_FIELDS`, sorted by time and then source order), ``first_done`` and
+    ``first_anchor`` (the 1-based positions in ``events`` of the key's first completed/marked
+    event and of its first claim, mark or completion; 0 without one), ``delivered`` and
+    ``leaked`` (a concurrent duplicate, or a run after the first completion).
+
+    Malformed rows and rows without a key are rows of their own (``key`` null, one event): they
+    count in the totals and take no part in any key's timeline. One shuffle, the only one over
+    all events.
+    """
+    from pyspark.sql import functions as F
+
+    named = _named(events)
+    keyed = F.col("_valid") & F.col("key").isNotNull()
+    fields = [
+        (
+            F.when(~keyed, F.col("message_id")).alias("message_id")
+            if name == "message_id"
+            else F.col(name)
+        )
+        for name in EVENT_FIELDS
+    ]
+    grouped = named.groupBy(
+        F.when(keyed, F.col("key")).alias("key"),
+        F.when(~keyed, F.col("seq")).alias("_row"),
+    ).agg(F.sort_array(F.collect_list(F.struct(*fields))).alias("events"))
+
+    def first(names: Iterable[str]) -> Column:
+        wanted = F.array(*[F.lit(name) for name in names])
+        return F.array_position(
+            F.transform("events", lambda e: F.array_contains(wanted, e["event"])), True
+        ).cast("int")
+
+    runs = F.array(*[F.lit(name) for name in RUN_EVENTS])
+    deliveries = F.array(*[F.lit(name) for name in DELIVERY_EVENTS])
+    grouped = grouped.select(
+        "key",
+        "events",
+        first(DONE_EVENTS).alias("first_done"),
+        first(ANCHOR_EVENTS).alias("first_anchor"),
+    )
+    # a leaked run: a concurrent duplicate, or a run after the key's first completion
+    leaked = (
+        F.size(
+            F.filter(
+                "events",
+                lambda e, i: (
+                    (e["event"] == "concurrent_duplicate")
+                    | (
+                        F.array_contains(runs, e["event"])
+                        & (F.col("first_done") > 0)
+                        & (F.col("first_done") < i + 1)
+                    )
+                ),
+            )
+        )
+        > 0
+    )
+    delivered = F.exists("events", lambda e: F.array_contains(deliveries, e["event"]))
+    keyed_row = F.col("key").isNotNull()
+    return grouped.select(
+        "*",
+        (keyed_row & delivered).alias("delivered"),
+        (keyed_row & leaked).alias("leaked"),
+    )
+
+
+def _classified_events(grouped: DataFrame, keep_for_s: float | None) -> DataFrame:
+    """The per-event view of :func:`group_by_key`'s rows, classified as :func:`classify` does
+    (``key``, the :data:`EVENT_FIELDS`, ``is_valid``, ``anchor_ms``, ``dup_kind``, ``gap_ms``,
+    ``leaked_run``, ``near_miss``, ``is_delivery``, ``is_run``, ``is_failure``; and, on each
+    key's first event only, ``key_delivered`` and ``key_leaked``, with the key's first queue
+    and task as ``key_queue``, ``key_task``): each key's first completion and first anchor are
+    known from its row, so every event is classified by its position alone, with no window."""
+    from pyspark.sql import functions as F
+
+    position = F.col("_pos") + 1
+    anchor_t = F.try_element_at(F.col("events"), F.col("first_anchor"))["t_ms"]
+    flat = grouped.select(
+        "key",
+        F.when(F.col("key").isNotNull() & (F.col("first_anchor") > 0), anchor_t).alias("_anchor_t"),
+        "first_anchor",
+        "first_done",
+        "delivered",
+        "leaked",
+        F.col("events")[0]["queue_name"].alias("_key_queue"),
+        F.col("events")[0]["task_name"].alias("_key_task"),
+        F.posexplode("events").alias("_pos", "_e"),
+    )
+    first_of_key = F.col("_pos") == 0
+    flat = flat.select(
+        "key",
+        *[F.col("_e")[name].alias(name) for name in EVENT_FIELDS],
+        # each key once, under its first event's queue and task
+        _flag(first_of_key & F.col("delivered")).alias("key_delivered"),
+        _flag(first_of_key & F.col("leaked")).alias("key_leaked"),
+        F.col("_key_queue").alias("key_queue"),
+        F.col("_key_task").alias("key_task"),
+        F.when(F.col("first_anchor") <= position, F.col("_anchor_t")).alias("anchor_ms"),
+        ((F.col("first_done") > 0) & (F.col("first_done") < position)).alias("_done_before"),
+    )
+    keyed = F.col("key").isNotNull()
+    dup_kind = F.when(
+        keyed,
+        F.when(F.col("event") == "duplicate_skipped", "skipped")
+        .when(F.col("event") == "in_progress_deferred", "in_flight")
+        .when(F.col("event") == "concurrent_duplicate", "concurrent")
+        .when(_in("event", RUN_EVENTS) & F.col("_done_before"), "rerun"),
+    )
+    flat = flat.withColumn("dup_kind", dup_kind).withColumn(
+        "gap_ms",
+        F.when(
+            F.col("dup_kind").isNotNull() & F.col("anchor_ms").isNotNull(),
+            F.greatest(F.col("t_ms") - F.col("anchor_ms"), F.lit(0).cast("long")),
+        ),
+    )
+    keep_for = F.coalesce(F.col("keep_for_s"), F.lit(keep_for_s).cast("double"))
+    return flat.select(
+        *[name for name in flat.columns if name != "_done_before"],
+        _flag(F.col("event").isNotNull()).alias("is_valid"),
+        _flag(_in("dup_kind", ("concurrent", "rerun"))).alias("leaked_run"),
+        _flag(
+            _in("dup_kind", ("skipped", "in_flight"))
+            & (F.col("gap_ms") > keep_for * (NEAR_MISS_RATIO * 1000.0))
+        ).alias("near_miss"),
+        _flag(_in("event", DELIVERY_EVENTS)).alias("is_delivery"),
+        _flag(_in("event", RUN_EVENTS)).alias("is_run"),
+        _flag(_in("event", FAILURE_EVENTS)).alias("is_failure"),
+    )
+
+
+def _claims(grouped: DataFrame, grace_s: float, log_end_ms: int | None) -> DataFrame:
+    """The stuck claims. Each claim is the slice of its key's events from a claim start to the
+    next one: its owner is the worker that started it (or, when that start names none, the
+    last one that did), its end the first end event (a ``lease_lost`` only from its owner) or
+    the next claim's start; it is stuck when that end, or the log's end for a claim never
+    ended, comes after its deadline (start or last renewal by the owner, plus lease and
+    grace)."""
+    from pyspark.sql import functions as F
+
+    events = F.col("events")
+    count = F.size(events)
+    start_names = F.array(*[F.lit(n) for n in CLAIM_START_EVENTS])
+    end_names = F.array(*[F.lit(n) for n in CLAIM_END_EVENTS])
+    starts = F.filter(
+        F.sequence(F.lit(1), count),
+        lambda i: F.array_contains(start_names, F.element_at(events, i)["event"]),
+    )
+
+    def claim(position: Column, index: Column) -> Column:
+        start = F.element_at(events, position)
+        following = F.coalesce(F.try_element_at(F.col("_starts"), index + 2), count + 1)
+        earlier_owner = F.try_element_at(
+            F.filter(
+                F.transform(
+                    F.slice(F.col("_starts"), 1, index), lambda p: F.element_at(events, p)["worker"]
+                ),
+                lambda w: w.isNotNull(),
+            ),
+            F.lit(-1),
+        )
+        owner = F.coalesce(start["worker"], earlier_owner)
+        span = F.slice(events, position, following - position)
+        renewed = F.array_max(
+            F.transform(
+                F.filter(
+                    span,
+                    lambda e: (e["event"] == "lease_renewed") & e["worker"].eqNullSafe(owner),
+                ),
+                lambda e: e["t_ms"],
+            )
+        )
+        ended = F.array_min(
+            F.transform(
+                F.filter(
+                    span,
+                    lambda e: (
+                        F.array_contains(end_names, e["event"])
+                        & ((e["event"] != "lease_lost") | e["worker"].eqNullSafe(owner))
+                    ),
+                ),
+                lambda e: e["t_ms"],
+            )
+        )
+        return F.struct(
+            start["t_ms"].alias("start_ms"),
+            start["event"].alias("how"),
+            start["lease_s"].alias("lease_s"),
+            start["worker"].alias("worker"),
+            start["queue_name"].alias("queue_name"),
+            start["task_name"].alias("task_name"),
+            renewed.alias("renewed_ms"),
+            F.least(ended, F.try_element_at(events, following)["t_ms"]).alias("ended_ms"),
+        )
+
+    claims = (
+        grouped.filter(F.col("key").isNotNull())
+        .select("key", "events", starts.alias("_starts"))
+        .filter(F.size("_starts") > 0)
+        .select("key", F.inline(F.transform("_starts", claim)))
+    )
+    claims = claims.withColumn(
+        "deadline_ms",
+        F.greatest(F.col("start_ms"), F.col("renewed_ms"))
+        + ((F.col("lease_s") + F.lit(float(grace_s))) * 1000).cast("long"),
+    )
+    return claims.filter(
+        F.col("lease_s").isNotNull()
+        & (
+            (F.col("ended_ms") > F.col("deadline_ms"))
+            | (F.col("ended_ms").isNull() & (F.lit(log_end_ms).cast("long") > F.col("deadline_ms")))
+        )
     )
 
 
@@ -356,11 +617,12 @@ def _timeline_bucket(span_s: float) -> int:
 
 
 class AuditRun:
-    """One audit, pass by pass: :meth:`classify` (read the events and classify each key's
-    timeline, kept in memory or on local disk for the passes after it), :meth:`per_key` (keys,
-    leaks and stuck claims), :meth:`per_scope` (the event counts of each queue, task and
-    overall), :meth:`gaps` (redelivery gap percentiles and histogram), :meth:`what_if` (the
-    simulated windows and the timeline) and :meth:`result` (the hand-off figures, samples and
+    """One audit, pass by pass: :meth:`classify` (read the events and group them by key, one
+    row per key kept in memory or on local disk for the passes after it; each pass reads the
+    classified events from it), :meth:`per_key` (stuck claims), :meth:`per_scope` (the event
+    counts, distinct and leaked keys of each queue, task and overall), :meth:`gaps` (redelivery
+    gap percentiles and histogram, the leaked keys), :meth:`what_if` (the simulated windows and
+    the timeline) and :meth:`result` (the hand-off figures, samples and
     the report). :func:`audit` runs them in this order; ``bench/audit_scale.py`` times each.
 
     Each pass ends with the Spark actions it needs, so its time is its own; :meth:`close`
@@ -369,8 +631,8 @@ class AuditRun:
     The arguments are :func:`audit`'s.
     """
 
+    grouped: DataFrame
     classified: DataFrame
-    keys: DataFrame
     stuck: DataFrame
     leaks_table: DataFrame
     stuck_table: DataFrame
@@ -424,7 +686,6 @@ class AuditRun:
         self.timeline_bucket_s = 1
         self.span_s = 0.0
         self.keys_per_s = 0.0
-        self._key_counts: list[tuple[str, str, dict[str, Any]]] = []
         self._stuck_counts: list[tuple[str, str, dict[str, Any]]] = []
         self._cached: list[DataFrame] = []
         self._previous_partitions: str | None = None
@@ -455,8 +716,10 @@ class AuditRun:
         return raw.select(*AUDIT_COLUMNS)
 
     def classify(self) -> DataFrame:
-        """Read and classify every key's events (:func:`classify`), kept for the later passes;
-        one action builds the kept frame and finds the log's end (its last valid event)."""
+        """Read the events and group them by key (:func:`group_by_key`, the one shuffle over
+        all events), kept for the later passes; one action builds the kept frame and finds the
+        log's end (its last valid event). The per-event view the later passes aggregate
+        (:func:`_classified_events`) is computed from the kept rows when each pass reads it."""
         from pyspark.sql import functions as F
 
         raw = self.read()
@@ -467,94 +730,20 @@ class AuditRun:
         self.spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
         self._partitions_set = True
         logger.info("audit: %d shuffle partitions", partitions)
-        self.classified = self._keep(classify(raw, self.keep_for_s))
-        row = self.classified.agg(
-            F.max(F.when(F.col("is_valid") == 1, F.col("t_ms"))).alias("last_ms")
-        ).first()
+        self.grouped = self._keep(group_by_key(raw))
+        last_valid = F.array_max(
+            F.transform("events", lambda e: F.when(e["event"].isNotNull(), e["t_ms"]))
+        )
+        row = self.grouped.agg(F.max(last_valid).alias("last_ms")).first()
         self.log_end_ms = None if row is None else row["last_ms"]
+        self.classified = _classified_events(self.grouped, self.keep_for_s)
         return self.classified
 
     def per_key(self) -> None:
-        """Keys (distinct keys, leaks) and claims (stuck claims), each key's rows together:
-        the kept frame is partitioned by key, so these aggregations need no shuffle."""
-        from pyspark.sql import Window
+        """The stuck claims, from each key's row (:func:`_claims`)."""
         from pyspark.sql import functions as F
 
-        classified = self.classified
-        # distinct keys and leaked keys, each key under its first queue/task
-        first = F.struct("t_ms", "seq")
-        self.keys = self._keep(
-            classified.filter(F.col("key").isNotNull() & (F.col("is_valid") == 1))
-            .groupBy("key")
-            .agg(
-                F.min_by("queue_name", first).alias("queue_name"),
-                F.min_by("task_name", first).alias("task_name"),
-                F.max("is_delivery").alias("delivered"),
-                F.sum("leaked_run").alias("leaked_runs"),
-                F.min(F.when(F.col("leaked_run") == 1, F.col("t_ms"))).alias("first_leak_ms"),
-                F.max(F.when(F.col("leaked_run") == 1, F.col("t_ms"))).alias("last_leak_ms"),
-                F.min("anchor_ms").alias("first_run_ms"),
-            )
-        )
-        self._key_counts = _rolled_up(
-            self.keys,
-            distinct_keys=("sum", F.sum("delivered")),
-            leaks=("sum", F.sum(_flag(F.col("leaked_runs") > 0))),
-        )
-        self.leaks_table = self.keys.filter(F.col("leaked_runs") > 0).select(
-            "key",
-            F.col("queue_name").alias("queue"),
-            F.col("task_name").alias("task"),
-            "leaked_runs",
-            F.timestamp_millis("first_run_ms").alias("first_run_at"),
-            F.timestamp_millis("first_leak_ms").alias("first_leak_at"),
-            F.timestamp_millis("last_leak_ms").alias("last_leak_at"),
-        )
-
-        # stuck claims: each claim is a segment of its key's events
-        owned = F.col("worker").eqNullSafe(F.col("owner"))
-        starts = _in("event", CLAIM_START_EVENTS)
-        segments = (
-            classified.filter(F.col("key").isNotNull() & (F.col("seg") > 0))
-            .groupBy("key", "seg")
-            .agg(
-                F.min(F.when(starts, F.col("t_ms"))).alias("start_ms"),
-                F.max(F.when(starts, F.col("event"))).alias("how"),
-                F.max(F.when(starts, F.col("lease_s"))).alias("lease_s"),
-                F.max(F.when(starts, F.col("worker"))).alias("worker"),
-                F.max(F.when(starts, F.col("queue_name"))).alias("queue_name"),
-                F.max(F.when(starts, F.col("task_name"))).alias("task_name"),
-                F.max(F.when((F.col("event") == "lease_renewed") & owned, F.col("t_ms"))).alias(
-                    "renewed_ms"
-                ),
-                F.min(
-                    F.when(
-                        _in("event", CLAIM_END_EVENTS) & ((F.col("event") != "lease_lost") | owned),
-                        F.col("t_ms"),
-                    )
-                ).alias("end_ms"),
-            )
-        )
-        by_claim = Window.partitionBy("key").orderBy("seg")
-        segments = segments.withColumn(
-            "ended_ms", F.least(F.col("end_ms"), F.lead("start_ms").over(by_claim))
-        ).withColumn(
-            "deadline_ms",
-            F.greatest(F.col("start_ms"), F.col("renewed_ms"))
-            + ((F.col("lease_s") + F.lit(float(self.grace_s))) * 1000).cast("long"),
-        )
-        self.stuck = self._keep(
-            segments.filter(
-                F.col("lease_s").isNotNull()
-                & (
-                    (F.col("ended_ms") > F.col("deadline_ms"))
-                    | (
-                        F.col("ended_ms").isNull()
-                        & (F.lit(self.log_end_ms).cast("long") > F.col("deadline_ms"))
-                    )
-                )
-            )
-        )
+        self.stuck = self._keep(_claims(self.grouped, self.grace_s, self.log_end_ms))
         self._stuck_counts = _scoped(self.stuck, F.count(F.lit(1)).alias("stuck_claims"))
         self.stuck_table = self.stuck.select(
             "key",
@@ -603,6 +792,8 @@ class AuditRun:
             releases=("sum", F.sum(_flag(F.col("event") == "released"))),
             takeovers=("sum", F.sum(_flag(F.col("event") == "lease_taken_over"))),
             near_misses=("sum", F.sum(F.coalesce(F.col("near_miss"), F.lit(0)))),
+            distinct_keys=("sum", F.sum("key_delivered")),
+            leaks=("sum", F.sum("key_leaked")),
             gaps=("sum", F.count("gap_ms")),
             gap_max_ms=("max", F.max("gap_ms")),
             first_ms=("min", F.min(valid_t)),
@@ -617,7 +808,7 @@ class AuditRun:
             for scope, name, values in counted
         }
         scopes.setdefault("overall", {"scope": "overall", "name": "", "events": 0, "gaps": 0})
-        for scope, name, values in (*self._key_counts, *self._stuck_counts):
+        for scope, name, values in self._stuck_counts:
             scopes.setdefault(_scope_key(scope, name), {"scope": scope, "name": name}).update(
                 values
             )
@@ -647,6 +838,19 @@ class AuditRun:
                 values
             )
         self.duplicates = self.notable.filter(F.col("dup_kind").isNotNull())
+        # each leaked key under its first queue/task; its first run is the anchor of its gaps
+        self.leaks_table = (
+            self.duplicates.filter(F.col("leaked_run") == 1)
+            .groupBy("key")
+            .agg(
+                F.first("key_queue").alias("queue"),
+                F.first("key_task").alias("task"),
+                F.count(F.lit(1)).alias("leaked_runs"),
+                F.timestamp_millis(F.min("anchor_ms")).alias("first_run_at"),
+                F.timestamp_millis(F.min("t_ms")).alias("first_leak_at"),
+                F.timestamp_millis(F.max("t_ms")).alias("last_leak_at"),
+            )
+        )
         overall = self.scopes["overall"]
         gap_count = int(overall.get("gaps") or 0)
         self.exact = gap_count <= EXACT_PERCENTILE_LIMIT

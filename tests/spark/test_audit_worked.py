@@ -144,3 +144,37 @@ def test_output_folder(run: tuple[AuditResult, Path], spark: Any) -> None:
     assert gaps["lazy:k8@marked"] == 700.0
     near = spark.read.parquet(str(tables / "duplicates")).filter("near_miss").collect()
     assert [(row["key"], row["gap_s"]) for row in near] == [("dups:k4", 3000.0)]
+
+
+def test_grouped_classification_is_the_windows(spark: Any, tmp_path: Path) -> None:
+    """The audit classifies each event from its key's grouped row (no window); every valid
+    event gets the same classification as :func:`classify`'s window over the key's timeline."""
+    from taskonce.spark_ext.audit import _classified_events, classify, group_by_key
+    from taskonce.spark_ext.inputs import read_events
+
+    events = read_events(
+        spark, [str(worked.write_jsonl(tmp_path / "e.jsonl", worked.worked_events()))]
+    )
+    columns = (
+        "seq",
+        "key",
+        "event",
+        "queue_name",
+        "task_name",
+        "anchor_ms",
+        "dup_kind",
+        "gap_ms",
+        "leaked_run",
+        "near_miss",
+        "is_delivery",
+        "is_run",
+        "is_failure",
+    )
+
+    def rows(frame: Any) -> list[tuple[Any, ...]]:
+        return sorted(tuple(row) for row in frame.filter("is_valid = 1").select(*columns).collect())
+
+    by_window = rows(classify(events, 3600.0))
+    by_group = rows(_classified_events(group_by_key(events), 3600.0))
+    assert len(by_window) == worked.EXPECTED_EVENTS
+    assert by_group == by_window
