@@ -93,6 +93,9 @@ class StoreWork:
     usec: int  # top-level commands' usec (a script's includes the commands it ran)
     commands: int  # commands as Redis counts them (those scripts ran included)
     scripts: int  # EVAL/EVALSHA/FCALL calls
+    #: per command: (calls, usec); a command a script ran has its calls here and its usec
+    #: inside the script's (0 of its own), as :attr:`usec` counts it
+    by_command: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
 class StoreMeter:
@@ -120,9 +123,15 @@ class StoreMeter:
         calls = {c: n - before.calls.get(c, 0) for c, n in after.calls.items()}
         usec = {c: n - before.usec.get(c, 0) for c, n in after.usec.items()}
         scripts = sum(calls.get(c, 0) for c in _SCRIPTS)
-        top = sum(
-            spent
+        own = {
+            command: 0 if scripts and command in self.nested and command not in _SCRIPTS else spent
             for command, spent in usec.items()
-            if not (scripts and command in self.nested and command not in _SCRIPTS)
+        }
+        by_command = {c: (n, own[c]) for c, n in calls.items() if n}
+        return StoreWork(
+            after.cpu_s - before.cpu_s,
+            sum(own.values()),
+            sum(calls.values()),
+            scripts,
+            by_command,
         )
-        return StoreWork(after.cpu_s - before.cpu_s, top, sum(calls.values()), scripts)

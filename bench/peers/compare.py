@@ -254,6 +254,10 @@ class Bench:
             store_cpu_us=work.cpu_s / messages * 1e6,
             commands=work.commands / messages,
             scripts=work.scripts / messages,
+            by_command={
+                name: (calls / messages, spent / messages)
+                for name, (calls, spent) in work.by_command.items()
+            },
         )
 
 
@@ -268,6 +272,9 @@ class Speed:
     store_cpu_us: float  # the store's redis-server process
     commands: float  # store commands per message (those scripts run included)
     scripts: float  # of which scripts (EVAL/EVALSHA)
+    #: per command: (calls, commandstats usec) per message; a command a script ran counts its
+    #: calls here and its time inside the script's
+    by_command: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
 def with_suppress(fn: Callable[[], Any]) -> None:
@@ -333,7 +340,36 @@ def speed_section(
             f"| {med(peer, 'store_cpu_us'):.0f} | {med(peer, 'commands'):.1f} "
             f"| {med(peer, 'scripts'):.1f} |"
         )
+    lines += [
+        "",
+        "The store's commands per message, by name, with the `INFO commandstats` µs of each "
+        "(medians of the rounds; a command a script runs shows its calls, its time is the "
+        "script's):",
+        "",
+        "| guard | store commands per message |",
+        "| --- | --- |",
+    ]
+    for peer in speeds:
+        names = {name for speed in speeds[peer] for name in speed.by_command}
+        median = {
+            name: (
+                statistics.median(s.by_command.get(name, (0.0, 0.0))[0] for s in speeds[peer]),
+                statistics.median(s.by_command.get(name, (0.0, 0.0))[1] for s in speeds[peer]),
+            )
+            for name in names
+        }
+        lines.append(f"| {NAMES[peer]} | {by_command(median) or 'none'} |")
     return lines
+
+
+def by_command(per_message: dict[str, tuple[float, float]]) -> str:
+    """``EVALSHA 2 (41.0 µs), HMGET 2, …``: busiest first; below 0.01 per message left out."""
+    items = sorted(per_message.items(), key=lambda item: (-item[1][1], -item[1][0]))
+    return ", ".join(
+        f"{name.upper()} {calls:.2g}" + (f" ({spent:.1f} µs)" if spent >= 0.05 else "")
+        for name, (calls, spent) in items
+        if calls >= 0.01
+    )
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
@@ -376,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"round {round_no + 1} {NAMES[peer]}: {speed.rate:.0f}/s; per message: "
                     f"worker {speed.worker_us:.0f} µs, producer {speed.producer_us:.0f} µs, "
                     f"store {speed.store_us:.0f} µs (process {speed.store_cpu_us:.0f} µs), "
-                    f"{speed.commands:.1f} commands, {speed.scripts:.1f} scripts",
+                    f"{speed.commands:.1f} commands, {speed.scripts:.1f} scripts: "
+                    f"{by_command(speed.by_command)}",
                     flush=True,
                 )
     finally:
