@@ -609,9 +609,12 @@ def pair_text(pairs: list[PairResult]) -> str:
         "its client CPU is lower than the raw calls' because it writes them down a connection "
         "it keeps (no pool checkout, no redis-py command path per call) and packs them with "
         "hiredis directly, while the raw calls go through redis-py's `set`/`get`. The server "
-        "side is where it is not on par: a Lua script's call costs the server several times a "
-        "plain `SET`, whatever the script does, and the scripts are what make the claim "
-        "atomic and every later write fenced."
+        "side is where it is not on par: running a script as such costs the server about what "
+        "a plain command does, but each command a script runs from Lua costs it a few µs more "
+        "than the same command sent alone, and the scripts run several (the commands above) "
+        "where the raw pair sends one each; they are what make the claim atomic and every "
+        "later write fenced (see [the server's work per message]"
+        "(#redis-store-the-servers-work-per-message))."
     )
 
 
