@@ -719,6 +719,9 @@ class _SharedTrips:
             else:
                 self._busy = False
             sender.handed = True
+            # The batch holds the sender itself: dropping it frees every call by reference
+            # counting, rather than leaving a cycle per round trip to the garbage collector.
+            sender.batch = []
 
     def _abandon(self, call: _Call) -> None:
         """``call``'s thread was interrupted: leave the queue, or finish the sender's duty."""
