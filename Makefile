@@ -66,7 +66,7 @@ chaos-all: $(STAMP)
 
 # Side by side with celery-once, celery-singleton and Powertools' idempotency (bench/peers).
 compare: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[compare]'
+	$(PY) -m pip install --quiet -r bench/peers/requirements.txt
 	$(PY) -m bench.peers.compare $(COMPARE_ARGS)
 
 clean:

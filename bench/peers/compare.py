@@ -11,7 +11,7 @@ of its processes), the producer's CPU (this process while it sends), and the sto
 its ``INFO commandstats`` (commands, scripts, top-level usec) and its redis-server's CPU time
 (:mod:`bench.cpu_meter`). ``--write-docs`` writes both tables to ``docs/comparison.md``.
 
-Run: ``make compare`` (installs the ``compare`` extra), or
+Run: ``make compare`` (installs the peers from ``bench/peers/requirements.txt``), or
 ``.venv/bin/python -m bench.peers.compare [--rounds 3 --messages 300] [--write-docs]``.
 """
 
