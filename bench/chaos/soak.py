@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.chaos.common import Config, create_tables, drop_tables  # noqa: E402
 from taskonce.handoff import derive_id  # noqa: E402
+from taskonce.keys import make_key  # noqa: E402
 from taskonce.worker import LIVENESS_WINDOW  # noqa: E402
 
 PG_URL = os.environ.get("TASKONCE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
@@ -775,9 +776,9 @@ class Soak:
         return None
 
     def _store_key(self, message_id: str) -> str:
-        """The guard's key of a message of this run (identity ``id+queue``: ``queue:id``; the
-        queue is the namespace, which needs no escaping)."""
-        return f"{self.config.namespace}:{message_id}"
+        """The guard's key of a message of this run (identity ``id+queue``, the queue being
+        the namespace), made as the guard makes it."""
+        return make_key(message_id, self.config.namespace, "id+queue")
 
     def _message_id(self, key: str, kind: str) -> str:
         """The id of a parent (as sent) or of its child: the hand-off derives a child's id from
