@@ -325,7 +325,8 @@ def speed_section(
         "system time of the worker's main and pool processes (`/proc/<pid>/stat`) while it "
         "drains the queue; *producer CPU* is the sending process's while it sends "
         "(celery-once and celery-singleton take their lock there, at `apply_async`, and "
-        "release it in the worker). The store's figures cover the sends and the drain, "
+        "release it in the worker), so *producer + worker above plain* is the CPU each guard "
+        "adds per message wherever it runs. The store's figures cover the sends and the drain, "
         "producer and worker together: *store µs* is its `INFO commandstats` usec of "
         "top-level commands (a Lua script's includes the commands it runs, counted once), "
         "*store process* its redis-server's own CPU time (`/proc`, 10 ms ticks), network I/O "
@@ -337,18 +338,22 @@ def speed_section(
         f"load average {load_start} at the start, {load_end} at the end.",
         "",
         "| guard | tasks/s | vs plain | worker CPU µs | above plain | producer CPU µs "
-        "| store µs (commandstats) | store process µs | store commands | of which scripts |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| producer + worker above plain | store µs (commandstats) | store process µs "
+        "| store commands | of which scripts |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for peer in speeds:
         rate, worker = med(peer, "rate"), med(peer, "worker_us")
         ratio = f"{rate / med('plain', 'rate'):.2f}×" if plain else "—"
-        above = "—"
+        above = both = "—"
         if plain and peer != "plain":
             above = f"{worker - med('plain', 'worker_us'):+.0f}"
+            added = worker + med(peer, "producer_us")
+            added -= med("plain", "worker_us") + med("plain", "producer_us")
+            both = f"{added:+.0f}"
         lines.append(
             f"| {NAMES[peer]} | {rate:.0f} | {ratio} | {worker:.0f} | {above} "
-            f"| {med(peer, 'producer_us'):.0f} | {med(peer, 'store_us'):.0f} "
+            f"| {med(peer, 'producer_us'):.0f} | {both} | {med(peer, 'store_us'):.0f} "
             f"| {med(peer, 'store_cpu_us'):.0f} | {med(peer, 'commands'):.1f} "
             f"| {med(peer, 'scripts'):.1f} |"
         )
