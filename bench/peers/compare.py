@@ -226,11 +226,12 @@ class Bench:
         counter = f"r{uuid.uuid4().hex[:8]}"
         queue = f"{self.prefix}.speed.{counter}"
         store_before = self.meter.read()  # the store's work of the sends counts too
-        producer_before = time.process_time()
+        producer_before, send_began = time.process_time(), time.perf_counter()
         mode = f"noop:{messages}"  # the body stamps the first and the last completion
         for i in range(messages):
             self.tasks[peer].apply_async((counter, f"{counter}-{i}", mode), queue=queue)
         producer = time.process_time() - producer_before
+        send_s = time.perf_counter() - send_began
         key = f"{self.prefix}:{queue}"
         wait_until(lambda: self.client.llen(key) >= messages, 60, f"{peer}'s queue to fill")
 
@@ -258,6 +259,7 @@ class Bench:
             wake_s=elapsed - (last - first),
             worker_us=worker / messages * 1e6,
             producer_us=producer / messages * 1e6,
+            send_us=send_s / messages * 1e6,
             store_us=work.usec / messages,
             store_cpu_us=work.cpu_s / messages * 1e6,
             commands=work.commands / messages,
@@ -277,6 +279,7 @@ class Speed:
     wake_s: float  # add_consumer to the first completion, plus the last acknowledgement
     worker_us: float  # the worker's processes (main and pool)
     producer_us: float  # this process while it sends (celery-once and singleton lock here)
+    send_us: float  # wall time of the sends per message
     store_us: float  # the store's top-level commands by INFO commandstats usec
     store_cpu_us: float  # the store's redis-server process
     commands: float  # store commands per message (those scripts run included)
@@ -326,7 +329,10 @@ def speed_section(
         "drains the queue; *producer CPU* is the sending process's while it sends "
         "(celery-once and celery-singleton take their lock there, at `apply_async`, and "
         "release it in the worker), so *producer + worker above plain* is the CPU each guard "
-        "adds per message wherever it runs. The store's figures cover the sends and the drain, "
+        "adds per message wherever it runs, and *send + run* the wall time of one message's "
+        "send (the sends' time per message) plus its share of the drain (1 / tasks/s); its "
+        "*vs plain* is plain's over the guard's, so above 1× is faster. The store's figures "
+        "cover the sends and the drain, "
         "producer and worker together: *store µs* is its `INFO commandstats` usec of "
         "top-level commands (a Lua script's includes the commands it runs, counted once), "
         "*store process* its redis-server's own CPU time (`/proc`, 10 ms ticks), network I/O "
@@ -337,14 +343,22 @@ def speed_section(
         f"Python {platform.python_version()}, {os.cpu_count()} CPUs ({platform.machine()}); "
         f"load average {load_start} at the start, {load_end} at the end.",
         "",
-        "| guard | tasks/s | vs plain | worker CPU µs | above plain | producer CPU µs "
+        "| guard | tasks/s | vs plain | send + run µs | vs plain | worker CPU µs | above plain "
+        "| producer CPU µs "
         "| producer + worker above plain | store µs (commandstats) | store process µs "
         "| store commands | of which scripts |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
     ]
+
+    def send_and_run(peer: str) -> float:
+        return med(peer, "send_us") + 1e6 / med(peer, "rate")
+
     for peer in speeds:
         rate, worker = med(peer, "rate"), med(peer, "worker_us")
         ratio = f"{rate / med('plain', 'rate'):.2f}×" if plain else "—"
+        whole = send_and_run(peer)
+        whole_ratio = f"{send_and_run('plain') / whole:.2f}×" if plain else "—"
         above = both = "—"
         if plain and peer != "plain":
             above = f"{worker - med('plain', 'worker_us'):+.0f}"
@@ -352,7 +366,8 @@ def speed_section(
             added -= med("plain", "worker_us") + med("plain", "producer_us")
             both = f"{added:+.0f}"
         lines.append(
-            f"| {NAMES[peer]} | {rate:.0f} | {ratio} | {worker:.0f} | {above} "
+            f"| {NAMES[peer]} | {rate:.0f} | {ratio} | {whole:.0f} | {whole_ratio} "
+            f"| {worker:.0f} | {above} "
             f"| {med(peer, 'producer_us'):.0f} | {both} | {med(peer, 'store_us'):.0f} "
             f"| {med(peer, 'store_cpu_us'):.0f} | {med(peer, 'commands'):.1f} "
             f"| {med(peer, 'scripts'):.1f} |"
