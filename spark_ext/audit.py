@@ -313,10 +313,21 @@ def group_by_key(events: DataFrame) -> DataFrame:
         )
         for name in EVENT_FIELDS
     ]
-    grouped = named.groupBy(
-        F.when(keyed, F.col("key")).alias("key"),
-        F.when(~keyed, F.col("seq")).alias("_row"),
-    ).agg(F.sort_array(F.collect_list(F.struct(*fields))).alias("events"))
+    # Shuffled by the grouping columns first, so that the grouping finds each key's events in
+    # one partition and aggregates them there once: grouped straight away, Spark would first
+    # gather a partial list per key on the map side of the shuffle (sorting all events by key
+    # to do it, since nearly every key is new), which only costs when a key's events are far
+    # apart in the log. The same partitioning as the grouping's own shuffle.
+    grouped = (
+        named.select(
+            F.when(keyed, F.col("key")).alias("key"),
+            F.when(~keyed, F.col("seq")).alias("_row"),
+            F.struct(*fields).alias("_event"),
+        )
+        .repartition("key", "_row")
+        .groupBy("key", "_row")
+        .agg(F.sort_array(F.collect_list("_event")).alias("events"))
+    )
 
     # Built-in array functions over the ``event`` field's array (``events.event``) only, no
     # lambdas: Spark compiles these to code, while higher-order functions (transform, filter,
