@@ -970,16 +970,6 @@ class AuditRun:
                 F.col("dup_kind").isNotNull() | _in("event", (*SENDS_EVENTS, "lease_taken_over"))
             )
         )
-        # take-over recovery: seconds from a dead owner's last sign of life to the takeover
-        recovery = F.col("recovery_s")
-        for scope, name, values in _scoped(
-            self.notable.filter(F.col("event") == "lease_taken_over"),
-            F.percentile_approx(recovery, [0.5, 0.95], APPROX_ACCURACY).alias("recovery_p"),
-            F.max(recovery).alias("recovery_max_s"),
-        ):
-            self.scopes.setdefault(_scope_key(scope, name), {"scope": scope, "name": name}).update(
-                values
-            )
         self.duplicates = self.notable.filter(F.col("dup_kind").isNotNull())
         # each leaked key under its first queue/task; its first run is the anchor of its gaps
         self.leaks_table = (
@@ -1003,13 +993,26 @@ class AuditRun:
             if self.exact
             else F.percentile_approx("gap_ms", fractions, APPROX_ACCURACY)
         )
-        if gap_count:
-            for scope, name, values in _scoped(
-                self.duplicates.filter(F.col("gap_ms").isNotNull()), percentile.alias("p")
-            ):
-                entry = self.scopes.setdefault(
-                    _scope_key(scope, name), {"scope": scope, "name": name}
+        # One aggregation for the take-over recovery (seconds from a dead owner's last sign of
+        # life to the takeover) and the gap percentiles: each aggregate sees only its own rows'
+        # values (the others' are null, which both percentiles skip), and a scope takes each
+        # figure only when it has rows of that kind, as when they were two aggregations.
+        takeover = F.col("event") == "lease_taken_over"
+        recovery = F.when(takeover, F.col("recovery_s"))
+        has_gap = F.col("gap_ms").isNotNull()
+        for scope, name, values in _scoped(
+            self.notable.filter(takeover | has_gap if gap_count else takeover),
+            F.percentile_approx(recovery, [0.5, 0.95], APPROX_ACCURACY).alias("recovery_p"),
+            F.max(recovery).alias("recovery_max_s"),
+            F.count(F.when(takeover, F.lit(1))).alias("_takeovers"),
+            *([percentile.alias("p"), F.count("gap_ms").alias("_gaps")] if gap_count else []),
+        ):
+            entry = self.scopes.setdefault(_scope_key(scope, name), {"scope": scope, "name": name})
+            if values.pop("_takeovers"):
+                entry.update(
+                    recovery_p=values["recovery_p"], recovery_max_s=values["recovery_max_s"]
                 )
+            if gap_count and values.pop("_gaps"):
                 for (field, _), value in zip(PERCENTILES, values["p"] or [], strict=False):
                     entry[field] = _seconds(value)
         histogram_rows = (
