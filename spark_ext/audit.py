@@ -890,6 +890,8 @@ class AuditRun:
             first_delivery_ms=("min", F.min(delivery_t)),
             last_delivery_ms=("max", F.max(delivery_t)),
             keep_for_in_force_s=("latest", F.col("keep_for_s")),
+            # not a figure of its own: with none, the hand-off's figures need no Spark job
+            sends_events=("sum", F.sum(_flag(_in("event", SENDS_EVENTS)))),
             **{f"bucket {label}": ("sum", column) for label, column in bucket_columns},
         )
         # the same aggregation per timeline bucket too (for the timeline of what_if): rolled up
@@ -1094,7 +1096,9 @@ class AuditRun:
         """The hand-off figures, the samples of leaks and stuck claims, and the report."""
         from pyspark.sql import functions as F
 
-        handoff, producer = _handoff_figures(self.notable)
+        handoff, producer = _handoff_figures(
+            self.notable, any_sends=bool(self.scopes["overall"].get("sends_events"))
+        )
         leaks_sample = [
             _plain(row.asDict())
             for row in self.leaks_table.orderBy(F.desc("last_leak_at"))
@@ -1282,7 +1286,9 @@ HANDOFF_FIELDS = (
 )
 
 
-def _handoff_figures(classified: DataFrame) -> tuple[dict[str, Any], dict[str, Any]]:
+def _handoff_figures(
+    classified: DataFrame, any_sends: bool = True
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The hand-off's figures, for the tasks' own sends (``"handoff"``) and for the producer
     outbox (``"producer"``, ``taskonce.send_on_commit``), in one pass.
 
@@ -1291,9 +1297,32 @@ def _handoff_figures(classified: DataFrame) -> tuple[dict[str, Any], dict[str, A
     worker, the committing process or a relay, ``sends_redispatched`` by a redelivery) — the
     dispatch lag, to the first publication after it — those still unpublished at the log's end
     (stranded) and the discarded ones. A task's record is its ``key``; a producer's events have
-    no key (no incoming message) and name their outbox record as ``message_id``."""
+    no key (no incoming message) and name their outbox record as ``message_id``.
+
+    With ``any_sends`` false (the log holds no hand-off event) the figures are all zero
+    without a Spark job."""
     from pyspark.sql import functions as F
 
+    figures: dict[str, Any] = {}
+    discarded: dict[str, int] = {}
+
+    def part(name: str) -> dict[str, Any]:
+        row = figures.get(name)
+        records = int(row["records"]) if row else 0
+        dispatched = int(row["dispatched"]) if row else 0
+        p50, p99 = (row["p"] or [None, None]) if row and dispatched else (None, None)
+        return {
+            "records_deferred": records,
+            "records_dispatched": dispatched,
+            "stranded": records - dispatched,
+            "discarded": discarded.get(name, 0),
+            "dispatch_lag_p50_s": _seconds(p50),
+            "dispatch_lag_p99_s": _seconds(p99),
+            "dispatch_lag_max_s": _seconds(row["max_ms"] if row else None),
+        }
+
+    if not any_sends:
+        return part("handoff"), part("producer")
     handler = F.col("key").isNotNull()
     producer = F.col("key").isNull() & F.col("message_id").startswith("outbox:")
     events = classified.filter(
@@ -1344,21 +1373,6 @@ def _handoff_figures(classified: DataFrame) -> tuple[dict[str, Any], dict[str, A
         .count()
         .collect()
     }
-
-    def part(name: str) -> dict[str, Any]:
-        row = figures.get(name)
-        records = int(row["records"]) if row else 0
-        dispatched = int(row["dispatched"]) if row else 0
-        p50, p99 = (row["p"] or [None, None]) if row and dispatched else (None, None)
-        return {
-            "records_deferred": records,
-            "records_dispatched": dispatched,
-            "stranded": records - dispatched,
-            "discarded": discarded.get(name, 0),
-            "dispatch_lag_p50_s": _seconds(p50),
-            "dispatch_lag_p99_s": _seconds(p99),
-            "dispatch_lag_max_s": _seconds(row["max_ms"] if row else None),
-        }
 
     return part("handoff"), part("producer")
 
