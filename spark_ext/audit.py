@@ -681,10 +681,11 @@ class AuditRun:
     """One audit, pass by pass: :meth:`classify` (read the events and group them by key, one
     row per key kept in memory or on local disk for the passes after it; each pass reads the
     classified events from it), :meth:`per_key` (stuck claims), :meth:`per_scope` (the event
-    counts, distinct and leaked keys of each queue, task and overall), :meth:`gaps` (redelivery
-    gap percentiles and histogram, the leaked keys), :meth:`what_if` (the simulated windows and
-    the timeline) and :meth:`result` (the hand-off figures, samples and
-    the report). :func:`audit` runs them in this order; ``bench/audit_scale.py`` times each.
+    counts, distinct and leaked keys of each queue, task and overall, and the timeline's
+    counts in the same aggregation), :meth:`gaps` (redelivery gap percentiles and histogram,
+    the leaked keys), :meth:`what_if` (the simulated windows and the timeline) and
+    :meth:`result` (the hand-off figures, samples and the report). :func:`audit` runs them in
+    this order; ``bench/audit_scale.py`` times each.
 
     Each pass ends with the Spark actions it needs, so its time is its own; :meth:`close`
     frees what the passes kept and restores the session's shuffle partitions.
