@@ -313,19 +313,37 @@ def group_by_key(events: DataFrame) -> DataFrame:
         )
         for name in EVENT_FIELDS
     ]
-    grouped = named.groupBy(
-        F.when(keyed, F.col("key")).alias("key"),
-        F.when(~keyed, F.col("seq")).alias("_row"),
-    ).agg(F.sort_array(F.collect_list(F.struct(*fields))).alias("events"))
+    # Shuffled by the grouping columns first, so that the grouping finds each key's events in
+    # one partition and aggregates them there once: grouped straight away, Spark would first
+    # gather a partial list per key on the map side of the shuffle (sorting all events by key
+    # to do it, since nearly every key is new), which only costs when a key's events are far
+    # apart in the log. The same partitioning as the grouping's own shuffle.
+    grouped = (
+        named.select(
+            F.when(keyed, F.col("key")).alias("key"),
+            F.when(~keyed, F.col("seq")).alias("_row"),
+            F.struct(*fields).alias("_event"),
+        )
+        .repartition("key", "_row")
+        .groupBy("key", "_row")
+        .agg(F.sort_array(F.collect_list("_event")).alias("events"))
+    )
 
-    def first(names: Iterable[str]) -> Column:
-        wanted = F.array(*[F.lit(name) for name in names])
-        return F.array_position(
-            F.transform("events", lambda e: F.array_contains(wanted, e["event"])), True
-        ).cast("int")
+    # Built-in array functions over the ``event`` field's array (``events.event``) only, no
+    # lambdas: Spark compiles these to code, while higher-order functions (transform, filter,
+    # exists) are interpreted element by element, which made this grouping twice as slow.
+    names = F.col("events")["event"]
 
-    runs = F.array(*[F.lit(name) for name in RUN_EVENTS])
-    deliveries = F.array(*[F.lit(name) for name in DELIVERY_EVENTS])
+    def first(wanted: Iterable[str]) -> Column:
+        # the least non-zero 1-based position of any of the names (0 without one)
+        found = [F.nullif(F.array_position(names, F.lit(name)), F.lit(0)) for name in wanted]
+        return F.coalesce(F.least(*found) if len(found) > 1 else found[0], F.lit(0)).cast("int")
+
+    def any_of(values: Column, wanted: Iterable[str]) -> Column:
+        # a keyed row's events are all valid, so ``values`` holds no null and this is true or
+        # false, never null
+        return F.arrays_overlap(values, F.array(*[F.lit(name) for name in wanted]))
+
     grouped = grouped.select(
         "key",
         "events",
@@ -333,23 +351,11 @@ def group_by_key(events: DataFrame) -> DataFrame:
         first(ANCHOR_EVENTS).alias("first_anchor"),
     )
     # a leaked run: a concurrent duplicate, or a run after the key's first completion
-    leaked = (
-        F.size(
-            F.filter(
-                "events",
-                lambda e, i: (
-                    (e["event"] == "concurrent_duplicate")
-                    | (
-                        F.array_contains(runs, e["event"])
-                        & (F.col("first_done") > 0)
-                        & (F.col("first_done") < i + 1)
-                    )
-                ),
-            )
-        )
-        > 0
+    after_done = F.slice(names, F.col("first_done") + 1, F.size(names) - F.col("first_done"))
+    leaked = F.array_contains(names, F.lit("concurrent_duplicate")) | (
+        (F.col("first_done") > 0) & any_of(after_done, RUN_EVENTS)
     )
-    delivered = F.exists("events", lambda e: F.array_contains(deliveries, e["event"]))
+    delivered = any_of(names, DELIVERY_EVENTS)
     keyed_row = F.col("key").isNotNull()
     return grouped.select(
         "*",
@@ -487,7 +493,7 @@ def _claims(grouped: DataFrame, grace_s: float, log_end_ms: int | None) -> DataF
         )
 
     claims = (
-        grouped.filter(F.col("key").isNotNull())
+        grouped.filter(F.col("key").isNotNull() & _may_be_stuck(grace_s))
         .select("key", "events", starts.alias("_starts"))
         .filter(F.size("_starts") > 0)
         .select("key", F.inline(F.transform("_starts", claim)))
@@ -503,6 +509,47 @@ def _claims(grouped: DataFrame, grace_s: float, log_end_ms: int | None) -> DataF
             (F.col("ended_ms") > F.col("deadline_ms"))
             | (F.col("ended_ms").isNull() & (F.lit(log_end_ms).cast("long") > F.col("deadline_ms")))
         )
+    )
+
+
+def _may_be_stuck(grace_s: float) -> Column:
+    """True for each key row (of :func:`group_by_key`) that may hold a stuck claim, false for
+    one that cannot: a cheap filter in built-in array functions (which Spark compiles to code)
+    before the claims' higher-order functions (interpreted element by element), which then run
+    on the few keys it leaves.
+
+    A claim is stuck only when it has a lease and either ended after its deadline (start plus
+    lease and grace, or later) or never ended. Its end is an event of its key, so the first
+    case needs the key's events to span more than the least lease of the key plus the grace;
+    the second needs the key's last claim start to be followed by no completion, release or
+    mark (a lease loss by another worker does not end it, so a lease loss keeps the key in).
+    """
+    from pyspark.sql import functions as F
+
+    events = F.col("events")
+    names = events["event"]
+    count = F.size(events)
+    least_lease = F.array_min(events["lease_s"])
+    # a second of slack for the rounding of the deadline to whole milliseconds
+    long_enough = (F.element_at(events, -1)["t_ms"] - events[0]["t_ms"] + 1000) > (
+        (least_lease + F.lit(float(grace_s))) * 1000.0
+    )
+    reversed_names = F.reverse(names)
+    last_start_from_end = F.least(
+        *[
+            F.nullif(F.array_position(reversed_names, F.lit(name)), F.lit(0))
+            for name in CLAIM_START_EVENTS
+        ]
+    )
+    after_last_start = F.slice(
+        names, count - last_start_from_end + 2, F.greatest(last_start_from_end - 1, F.lit(0))
+    )
+    ending = F.array(*[F.lit(name) for name in CLAIM_END_EVENTS if name != "lease_lost"])
+    open_at_end = ~F.arrays_overlap(after_last_start, ending)
+    return (
+        last_start_from_end.isNotNull()
+        & least_lease.isNotNull()
+        & (long_enough | F.isnan(least_lease) | open_at_end)
     )
 
 
@@ -534,6 +581,22 @@ def _scoped(frame: DataFrame, *aggregates: Column) -> list[tuple[str, str, dict[
     return out
 
 
+def _pair_totals(
+    frame: DataFrame, by: Sequence[Column], aggregates: Mapping[str, tuple[str, Column]]
+) -> DataFrame:
+    """The aggregates of :func:`_rolled_up` per (queue, task) pair and the ``by`` columns."""
+    from pyspark.sql import functions as F
+
+    columns: list[Column] = []
+    for name, (how, column) in aggregates.items():
+        if how == "latest":
+            at = F.when(column.isNotNull(), F.col("t_ms"))
+            columns += [F.max_by(column, at).alias(name), F.max(at).alias(f"{name}@")]
+        else:
+            columns.append(column.alias(name))
+    return frame.groupBy("queue_name", "task_name", *by).agg(*columns)
+
+
 def _rolled_up(
     frame: DataFrame, **aggregates: tuple[str, Column]
 ) -> list[tuple[str, str, dict[str, Any]]]:
@@ -545,16 +608,14 @@ def _rolled_up(
 
     Cheaper than grouping sets over every event: those copy each row three times (one per
     grouping set) before aggregating."""
-    from pyspark.sql import functions as F
+    return _roll_up(_pair_totals(frame, (), aggregates).collect(), aggregates)
 
-    columns: list[Column] = []
-    for name, (how, column) in aggregates.items():
-        if how == "latest":
-            at = F.when(column.isNotNull(), F.col("t_ms"))
-            columns += [F.max_by(column, at).alias(name), F.max(at).alias(f"{name}@")]
-        else:
-            columns.append(column.alias(name))
-    rows = frame.groupBy("queue_name", "task_name").agg(*columns).collect()
+
+def _roll_up(
+    rows: Iterable[Any], aggregates: Mapping[str, tuple[str, Column]]
+) -> list[tuple[str, str, dict[str, Any]]]:
+    """Roll rows of :func:`_pair_totals` (finer than pairs too) up to the scopes: overall, each
+    queue, each task."""
     scopes: dict[tuple[str, str], dict[str, Any]] = {}
     for row in rows:
         values = row.asDict()
@@ -620,10 +681,11 @@ class AuditRun:
     """One audit, pass by pass: :meth:`classify` (read the events and group them by key, one
     row per key kept in memory or on local disk for the passes after it; each pass reads the
     classified events from it), :meth:`per_key` (stuck claims), :meth:`per_scope` (the event
-    counts, distinct and leaked keys of each queue, task and overall), :meth:`gaps` (redelivery
-    gap percentiles and histogram, the leaked keys), :meth:`what_if` (the simulated windows and
-    the timeline) and :meth:`result` (the hand-off figures, samples and
-    the report). :func:`audit` runs them in this order; ``bench/audit_scale.py`` times each.
+    counts, distinct and leaked keys of each queue, task and overall, and the timeline's
+    counts in the same aggregation), :meth:`gaps` (redelivery gap percentiles and histogram,
+    the leaked keys), :meth:`what_if` (the simulated windows and the timeline) and
+    :meth:`result` (the hand-off figures, samples and the report). :func:`audit` runs them in
+    this order; ``bench/audit_scale.py`` times each.
 
     Each pass ends with the Spark actions it needs, so its time is its own; :meth:`close`
     frees what the passes kept and restores the session's shuffle partitions.
@@ -731,11 +793,36 @@ class AuditRun:
         self._partitions_set = True
         logger.info("audit: %d shuffle partitions", partitions)
         self.grouped = self._keep(group_by_key(raw))
-        last_valid = F.array_max(
-            F.transform("events", lambda e: F.when(e["event"].isNotNull(), e["t_ms"]))
-        )
-        row = self.grouped.agg(F.max(last_valid).alias("last_ms")).first()
+        # a keyed row's events are all valid; a row without a key holds one event, valid or
+        # not (a malformed row's event name is null)
+        last_valid = F.when(
+            F.col("key").isNotNull(), F.array_max(F.col("events")["t_ms"])
+        ).otherwise(F.when(F.col("events")[0]["event"].isNotNull(), F.col("events")[0]["t_ms"]))
+        # the first and last delivery (their span sets the timeline's buckets, which the
+        # per-scope pass counts in the same aggregation as the scopes): the events are sorted,
+        # so they are the first delivery from either end
+        events = F.col("events")
+
+        def delivery_t(names: Column, at: Callable[[Column], Column]) -> Column:
+            position = F.least(
+                *[
+                    F.nullif(F.array_position(names, F.lit(name)), F.lit(0))
+                    for name in DELIVERY_EVENTS
+                ]
+            )
+            return F.when(
+                position.isNotNull(), F.element_at(events, at(position.cast("int")))["t_ms"]
+            )
+
+        row = self.grouped.agg(
+            F.max(last_valid).alias("last_ms"),
+            F.min(delivery_t(events["event"], lambda p: p)).alias("first_delivery_ms"),
+            F.max(delivery_t(F.reverse(events["event"]), lambda p: -p)).alias("last_delivery_ms"),
+        ).first()
         self.log_end_ms = None if row is None else row["last_ms"]
+        first_ms = None if row is None else row["first_delivery_ms"]
+        last_ms = None if row is None else row["last_delivery_ms"]
+        self.span_s = ((last_ms - first_ms) / 1000.0) if first_ms is not None else 0.0
         self.classified = _classified_events(self.grouped, self.keep_for_s)
         return self.classified
 
@@ -779,8 +866,11 @@ class AuditRun:
             lower = upper
         valid_t = F.when(F.col("is_valid") == 1, F.col("t_ms"))
         delivery_t = F.when(F.col("is_delivery") == 1, F.col("t_ms"))
-        counted = _rolled_up(
-            classified,
+        bucket_s = _timeline_bucket(self.span_s)
+        bucket_ms = bucket_s * 1000
+        self.timeline_bucket_s = bucket_s
+        delivery = F.col("is_delivery") == 1
+        aggregates: dict[str, tuple[str, Column]] = dict(
             events=("sum", F.sum("is_valid")),
             malformed=("sum", F.sum(1 - F.col("is_valid"))),
             deliveries=("sum", F.sum("is_delivery")),
@@ -801,7 +891,47 @@ class AuditRun:
             first_delivery_ms=("min", F.min(delivery_t)),
             last_delivery_ms=("max", F.max(delivery_t)),
             keep_for_in_force_s=("latest", F.col("keep_for_s")),
+            # not a figure of its own: with none, the hand-off's figures need no Spark job
+            sends_events=("sum", F.sum(_flag(_in("event", SENDS_EVENTS)))),
             **{f"bucket {label}": ("sum", column) for label, column in bucket_columns},
+        )
+        # the same aggregation per timeline bucket too (for the timeline of what_if): rolled up
+        # here, summed per queue and bucket there, with no second scan of the events
+        totals = self._keep(
+            _pair_totals(
+                classified,
+                [
+                    ((F.floor(F.col("t_ms") / bucket_ms) * bucket_ms).cast("long")).alias(
+                        "bucket_ms"
+                    )
+                ],
+                {
+                    **aggregates,
+                    "_timeline_duplicates": (
+                        "sum",
+                        F.sum(_flag(delivery & F.col("dup_kind").isNotNull())),
+                    ),
+                    "_timeline_deliveries": ("sum", F.sum(_flag(delivery))),
+                },
+            )
+        )
+        counted = _roll_up(totals.collect(), aggregates)
+        self.timeline_table = (
+            totals.filter(F.col("_timeline_deliveries") > 0)
+            .groupBy(F.col("queue_name").alias("queue"), "bucket_ms")
+            .agg(
+                F.sum("_timeline_duplicates").alias("duplicates"),
+                F.coalesce(F.sum("_timeline_deliveries"), F.lit(0).cast("long")).alias(
+                    "deliveries"
+                ),
+            )
+            .select(
+                "queue",
+                F.timestamp_millis("bucket_ms").alias("bucket_start"),
+                "bucket_ms",
+                "duplicates",
+                "deliveries",
+            )
         )
         scopes: dict[str, dict[str, Any]] = {
             _scope_key(scope, name): {"scope": scope, "name": name, **values}
@@ -821,22 +951,28 @@ class AuditRun:
         log histogram for the chart."""
         from pyspark.sql import functions as F
 
-        # the rare rows: duplicates and the hand-off's events, one scan of the kept frame
+        # the rare rows: duplicates and the hand-off's events, one scan of the kept frame;
+        # only the key rows holding one are spread into events (a duplicate of a key is a
+        # skipped, deferred or concurrent delivery, or a rerun: a leaked key)
+        names = F.col("events")["event"]
+        rare = F.array(
+            *[
+                F.lit(name)
+                for name in (
+                    "duplicate_skipped",
+                    "in_progress_deferred",
+                    "concurrent_duplicate",
+                    *SENDS_EVENTS,
+                    "lease_taken_over",
+                )
+            ]
+        )
+        with_rare = self.grouped.filter(F.arrays_overlap(names, rare) | F.col("leaked"))
         self.notable = self._keep(
-            self.classified.filter(
+            _classified_events(with_rare, self.keep_for_s).filter(
                 F.col("dup_kind").isNotNull() | _in("event", (*SENDS_EVENTS, "lease_taken_over"))
             )
         )
-        # take-over recovery: seconds from a dead owner's last sign of life to the takeover
-        recovery = F.col("recovery_s")
-        for scope, name, values in _scoped(
-            self.notable.filter(F.col("event") == "lease_taken_over"),
-            F.percentile_approx(recovery, [0.5, 0.95], APPROX_ACCURACY).alias("recovery_p"),
-            F.max(recovery).alias("recovery_max_s"),
-        ):
-            self.scopes.setdefault(_scope_key(scope, name), {"scope": scope, "name": name}).update(
-                values
-            )
         self.duplicates = self.notable.filter(F.col("dup_kind").isNotNull())
         # each leaked key under its first queue/task; its first run is the anchor of its gaps
         self.leaks_table = (
@@ -860,13 +996,26 @@ class AuditRun:
             if self.exact
             else F.percentile_approx("gap_ms", fractions, APPROX_ACCURACY)
         )
-        if gap_count:
-            for scope, name, values in _scoped(
-                self.duplicates.filter(F.col("gap_ms").isNotNull()), percentile.alias("p")
-            ):
-                entry = self.scopes.setdefault(
-                    _scope_key(scope, name), {"scope": scope, "name": name}
+        # One aggregation for the take-over recovery (seconds from a dead owner's last sign of
+        # life to the takeover) and the gap percentiles: each aggregate sees only its own rows'
+        # values (the others' are null, which both percentiles skip), and a scope takes each
+        # figure only when it has rows of that kind, as when they were two aggregations.
+        takeover = F.col("event") == "lease_taken_over"
+        recovery = F.when(takeover, F.col("recovery_s"))
+        has_gap = F.col("gap_ms").isNotNull()
+        for scope, name, values in _scoped(
+            self.notable.filter(takeover | has_gap if gap_count else takeover),
+            F.percentile_approx(recovery, [0.5, 0.95], APPROX_ACCURACY).alias("recovery_p"),
+            F.max(recovery).alias("recovery_max_s"),
+            F.count(F.when(takeover, F.lit(1))).alias("_takeovers"),
+            *([percentile.alias("p"), F.count("gap_ms").alias("_gaps")] if gap_count else []),
+        ):
+            entry = self.scopes.setdefault(_scope_key(scope, name), {"scope": scope, "name": name})
+            if values.pop("_takeovers"):
+                entry.update(
+                    recovery_p=values["recovery_p"], recovery_max_s=values["recovery_max_s"]
                 )
+            if gap_count and values.pop("_gaps"):
                 for (field, _), value in zip(PERCENTILES, values["p"] or [], strict=False):
                     entry[field] = _seconds(value)
         histogram_rows = (
@@ -923,27 +1072,6 @@ class AuditRun:
                     }
                 )
         self.what_if_rows = what_if
-        bucket_s = _timeline_bucket(span_s)
-        bucket_ms = bucket_s * 1000
-        self.timeline_bucket_s = bucket_s
-        self.timeline_table = self._keep(
-            self.classified.filter(F.col("is_delivery") == 1)
-            .groupBy(
-                F.col("queue_name").alias("queue"),
-                ((F.floor(F.col("t_ms") / bucket_ms) * bucket_ms).cast("long")).alias("bucket_ms"),
-            )
-            .agg(
-                F.sum(_flag(F.col("dup_kind").isNotNull())).alias("duplicates"),
-                F.count(F.lit(1)).alias("deliveries"),
-            )
-            .select(
-                "queue",
-                F.timestamp_millis("bucket_ms").alias("bucket_start"),
-                "bucket_ms",
-                "duplicates",
-                "deliveries",
-            )
-        )
         queue_order = sorted(
             (
                 -(int(v.get("duplicates_skipped") or 0) + int(v.get("leaked_runs") or 0)),
@@ -969,7 +1097,9 @@ class AuditRun:
         """The hand-off figures, the samples of leaks and stuck claims, and the report."""
         from pyspark.sql import functions as F
 
-        handoff, producer = _handoff_figures(self.notable)
+        handoff, producer = _handoff_figures(
+            self.notable, any_sends=bool(self.scopes["overall"].get("sends_events"))
+        )
         leaks_sample = [
             _plain(row.asDict())
             for row in self.leaks_table.orderBy(F.desc("last_leak_at"))
@@ -1157,7 +1287,9 @@ HANDOFF_FIELDS = (
 )
 
 
-def _handoff_figures(classified: DataFrame) -> tuple[dict[str, Any], dict[str, Any]]:
+def _handoff_figures(
+    classified: DataFrame, any_sends: bool = True
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The hand-off's figures, for the tasks' own sends (``"handoff"``) and for the producer
     outbox (``"producer"``, ``taskonce.send_on_commit``), in one pass.
 
@@ -1166,9 +1298,32 @@ def _handoff_figures(classified: DataFrame) -> tuple[dict[str, Any], dict[str, A
     worker, the committing process or a relay, ``sends_redispatched`` by a redelivery) — the
     dispatch lag, to the first publication after it — those still unpublished at the log's end
     (stranded) and the discarded ones. A task's record is its ``key``; a producer's events have
-    no key (no incoming message) and name their outbox record as ``message_id``."""
+    no key (no incoming message) and name their outbox record as ``message_id``.
+
+    With ``any_sends`` false (the log holds no hand-off event) the figures are all zero
+    without a Spark job."""
     from pyspark.sql import functions as F
 
+    figures: dict[str, Any] = {}
+    discarded: dict[str, int] = {}
+
+    def part(name: str) -> dict[str, Any]:
+        row = figures.get(name)
+        records = int(row["records"]) if row else 0
+        dispatched = int(row["dispatched"]) if row else 0
+        p50, p99 = (row["p"] or [None, None]) if row and dispatched else (None, None)
+        return {
+            "records_deferred": records,
+            "records_dispatched": dispatched,
+            "stranded": records - dispatched,
+            "discarded": discarded.get(name, 0),
+            "dispatch_lag_p50_s": _seconds(p50),
+            "dispatch_lag_p99_s": _seconds(p99),
+            "dispatch_lag_max_s": _seconds(row["max_ms"] if row else None),
+        }
+
+    if not any_sends:
+        return part("handoff"), part("producer")
     handler = F.col("key").isNotNull()
     producer = F.col("key").isNull() & F.col("message_id").startswith("outbox:")
     events = classified.filter(
@@ -1219,21 +1374,6 @@ def _handoff_figures(classified: DataFrame) -> tuple[dict[str, Any], dict[str, A
         .count()
         .collect()
     }
-
-    def part(name: str) -> dict[str, Any]:
-        row = figures.get(name)
-        records = int(row["records"]) if row else 0
-        dispatched = int(row["dispatched"]) if row else 0
-        p50, p99 = (row["p"] or [None, None]) if row and dispatched else (None, None)
-        return {
-            "records_deferred": records,
-            "records_dispatched": dispatched,
-            "stranded": records - dispatched,
-            "discarded": discarded.get(name, 0),
-            "dispatch_lag_p50_s": _seconds(p50),
-            "dispatch_lag_p99_s": _seconds(p99),
-            "dispatch_lag_max_s": _seconds(row["max_ms"] if row else None),
-        }
 
     return part("handoff"), part("producer")
 
