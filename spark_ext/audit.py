@@ -155,6 +155,27 @@ def _flag(condition: Column) -> Column:
     return F.when(condition, 1).otherwise(0)
 
 
+# Built-in array functions over an array of event names (``events.event``), no lambdas: Spark
+# compiles these to code, while higher-order functions (transform, filter, exists) are
+# interpreted element by element.
+
+
+def _first_position(names: Column, wanted: Iterable[str]) -> Column:
+    """The least 1-based position in ``names`` of any of ``wanted``; null without one."""
+    from pyspark.sql import functions as F
+
+    found = [F.nullif(F.array_position(names, F.lit(name)), F.lit(0)) for name in wanted]
+    return F.least(*found) if len(found) > 1 else found[0]
+
+
+def _any_of(names: Column, wanted: Iterable[str]) -> Column:
+    """Whether ``names`` holds any of ``wanted`` (null when it holds a null and none of them;
+    a keyed row's events are all valid, so never null there)."""
+    from pyspark.sql import functions as F
+
+    return F.arrays_overlap(names, F.array(*[F.lit(name) for name in wanted]))
+
+
 def classify(events: DataFrame, keep_for_s: float | None = None) -> DataFrame:
     """Per-event classification over each key's timeline (one window, ordered by time and then
     source order): the definition the audit's own classification from each key's grouped row
@@ -329,20 +350,12 @@ def group_by_key(events: DataFrame) -> DataFrame:
         .agg(F.sort_array(F.collect_list("_event")).alias("events"))
     )
 
-    # Built-in array functions over the ``event`` field's array (``events.event``) only, no
-    # lambdas: Spark compiles these to code, while higher-order functions (transform, filter,
-    # exists) are interpreted element by element, which made this grouping twice as slow.
+    # Array functions over the names only (see _first_position): with lambdas over the
+    # events, this grouping took twice as long.
     names = F.col("events")["event"]
 
     def first(wanted: Iterable[str]) -> Column:
-        # the least non-zero 1-based position of any of the names (0 without one)
-        found = [F.nullif(F.array_position(names, F.lit(name)), F.lit(0)) for name in wanted]
-        return F.coalesce(F.least(*found) if len(found) > 1 else found[0], F.lit(0)).cast("int")
-
-    def any_of(values: Column, wanted: Iterable[str]) -> Column:
-        # a keyed row's events are all valid, so ``values`` holds no null and this is true or
-        # false, never null
-        return F.arrays_overlap(values, F.array(*[F.lit(name) for name in wanted]))
+        return F.coalesce(_first_position(names, wanted), F.lit(0)).cast("int")
 
     grouped = grouped.select(
         "key",
@@ -353,9 +366,9 @@ def group_by_key(events: DataFrame) -> DataFrame:
     # a leaked run: a concurrent duplicate, or a run after the key's first completion
     after_done = F.slice(names, F.col("first_done") + 1, F.size(names) - F.col("first_done"))
     leaked = F.array_contains(names, F.lit("concurrent_duplicate")) | (
-        (F.col("first_done") > 0) & any_of(after_done, RUN_EVENTS)
+        (F.col("first_done") > 0) & _any_of(after_done, RUN_EVENTS)
     )
-    delivered = any_of(names, DELIVERY_EVENTS)
+    delivered = _any_of(names, DELIVERY_EVENTS)
     keyed_row = F.col("key").isNotNull()
     return grouped.select(
         "*",
@@ -535,17 +548,12 @@ def _may_be_stuck(grace_s: float) -> Column:
         (least_lease + F.lit(float(grace_s))) * 1000.0
     )
     reversed_names = F.reverse(names)
-    last_start_from_end = F.least(
-        *[
-            F.nullif(F.array_position(reversed_names, F.lit(name)), F.lit(0))
-            for name in CLAIM_START_EVENTS
-        ]
-    )
+    last_start_from_end = _first_position(reversed_names, CLAIM_START_EVENTS)
     after_last_start = F.slice(
         names, count - last_start_from_end + 2, F.greatest(last_start_from_end - 1, F.lit(0))
     )
-    ending = F.array(*[F.lit(name) for name in CLAIM_END_EVENTS if name != "lease_lost"])
-    open_at_end = ~F.arrays_overlap(after_last_start, ending)
+    ending = [name for name in CLAIM_END_EVENTS if name != "lease_lost"]
+    open_at_end = ~_any_of(after_last_start, ending)
     return (
         last_start_from_end.isNotNull()
         & least_lease.isNotNull()
@@ -804,12 +812,7 @@ class AuditRun:
         events = F.col("events")
 
         def delivery_t(names: Column, at: Callable[[Column], Column]) -> Column:
-            position = F.least(
-                *[
-                    F.nullif(F.array_position(names, F.lit(name)), F.lit(0))
-                    for name in DELIVERY_EVENTS
-                ]
-            )
+            position = _first_position(names, DELIVERY_EVENTS)
             return F.when(
                 position.isNotNull(), F.element_at(events, at(position.cast("int")))["t_ms"]
             )
@@ -954,23 +957,12 @@ class AuditRun:
         # the rare rows: duplicates and the hand-off's events, one scan of the kept frame;
         # only the key rows holding one are spread into events (a duplicate of a key is a
         # skipped, deferred or concurrent delivery, or a rerun: a leaked key)
-        names = F.col("events")["event"]
-        rare = F.array(
-            *[
-                F.lit(name)
-                for name in (
-                    "duplicate_skipped",
-                    "in_progress_deferred",
-                    "concurrent_duplicate",
-                    *SENDS_EVENTS,
-                    "lease_taken_over",
-                )
-            ]
-        )
-        with_rare = self.grouped.filter(F.arrays_overlap(names, rare) | F.col("leaked"))
+        kept_events = (*SENDS_EVENTS, "lease_taken_over")  # kept whatever their dup_kind
+        rare = ("duplicate_skipped", "in_progress_deferred", "concurrent_duplicate", *kept_events)
+        with_rare = self.grouped.filter(_any_of(F.col("events")["event"], rare) | F.col("leaked"))
         self.notable = self._keep(
             _classified_events(with_rare, self.keep_for_s).filter(
-                F.col("dup_kind").isNotNull() | _in("event", (*SENDS_EVENTS, "lease_taken_over"))
+                F.col("dup_kind").isNotNull() | _in("event", kept_events)
             )
         )
         self.duplicates = self.notable.filter(F.col("dup_kind").isNotNull())
