@@ -238,17 +238,17 @@ class Bench:
         def drained() -> bool:
             return self.client.llen(key) == 0 and self.client.hlen(f"{self.prefix}:unacked") == 0
 
+        done = f"{self.prefix}:done:{counter}"  # the body's completion count, and its stamps
         worker_before = group_cpu(self.worker.pid)
         started = time.perf_counter()
         self.app.app.control.add_consumer(queue, reply=False)
         wait_until(
-            lambda: int(self.client.get(f"{self.prefix}:done:{counter}") or 0) >= messages,
+            lambda: int(self.client.get(done) or 0) >= messages,
             300,
             f"{peer}'s round",
         )
         wait_until(drained, 120, "the last acknowledgements")  # completions come before them
         elapsed = time.perf_counter() - started
-        done = f"{self.prefix}:done:{counter}"
         first, last = (float(self.client.get(f"{done}:{end}") or 0) for end in ("first", "last"))
         worker = group_cpu(self.worker.pid) - worker_before
         work = self.meter.since(store_before)
