@@ -39,6 +39,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import random
@@ -296,7 +297,7 @@ class Publisher:
         else:
             from dramatiq.brokers.redis import RedisBroker
 
-            self.broker = RedisBroker(
+            self.broker = RedisBroker(  # type: ignore[no-untyped-call]
                 url=config.broker,
                 namespace=f"{config.namespace}-dq",
                 socket_timeout=2,
@@ -462,7 +463,7 @@ class Soak:
         self.publisher = Publisher(self.options.framework, self.config)
         self.broker_client = redis.Redis.from_url(self.broker.url, socket_timeout=5)
         for worker in self.workers:
-            wait_until(lambda w=worker: _ready_or_dead(w), 120, f"worker {worker.index}")
+            wait_until(functools.partial(_ready_or_dead, worker), 120, f"worker {worker.index}")
 
     def teardown(self) -> None:
         for worker in self.workers:
