@@ -1,5 +1,7 @@
 """The Celery worker app of the comparison: the same order task under six guards (the sixth
-is the yardstick :mod:`bench.handwritten`: SET NX PX before the body, SET PX after it).
+is the yardstick :mod:`bench.handwritten`: SET NX PX before the body, SET PX after it), and
+``one_trip.order``, plain Celery with one ``DEL`` after the body: the speed table's yardstick
+for one round trip from the worker.
 
 ``PEERS_BROKER``: broker URL; ``PEERS_LOCKS``: the redis-server every guard keeps its records
 in (the comparison's own, so its ``INFO commandstats`` counts only them); ``PEERS_PG``: the
@@ -114,6 +116,27 @@ def plain_order(self: Task, table: str, label: str, mode: str = "") -> str:
 
 @app.task(name="taskonce.order", base=IdempotentTask, **OPTIONS)
 def taskonce_order(self: Task, table: str, label: str, mode: str = "") -> str:
+    return body(self, table, label, mode)
+
+
+class _OneTrip(Task):
+    """The yardstick of one round trip: what celery-once and celery-singleton do in the worker
+    (they lock in the producer and only delete the lock after the body), as a plain ``DEL``."""
+
+    def after_return(self, *args: Any, **kwargs: Any) -> None:
+        client = _trip.get(os.getpid())
+        if client is None:
+            client = redis.Redis.from_url(LOCKS)
+            _trip.clear()
+            _trip[os.getpid()] = client
+        client.delete(f"{PREFIX}-trip:{self.request.id}")
+
+
+_trip: dict[int, redis.Redis] = {}
+
+
+@app.task(name="one_trip.order", base=_OneTrip, **OPTIONS)
+def one_trip_order(self: Task, table: str, label: str, mode: str = "") -> str:
     return body(self, table, label, mode)
 
 

@@ -49,6 +49,7 @@ NAMES = {
     "celery_singleton": "celery-singleton",
     "powertools": "Powertools idempotency (Redis)",
     "handwritten": "hand-written SET NX PX",
+    "one_trip": "plain Celery + one `DEL` after the body (yardstick)",
 }
 DOC = ROOT / "docs" / "comparison.md"
 BEHAVIOUR = "## Side by side: behaviour"
@@ -115,6 +116,7 @@ class Bench:
         self.app = app
         self.tasks = {
             "plain": app.plain_order,
+            "one_trip": app.one_trip_order,
             "taskonce": app.taskonce_order,
             "celery_once": app.once_order,
             "celery_singleton": app.singleton_order,
@@ -323,8 +325,13 @@ def speed_section(
         "worker (not from `add_consumer`: the worker only sees the new queue when its BRPOP on "
         "the old ones times out, up to 1 s later, sooner the longer the sends took); "
         f"{args.rounds} rounds of "
-        "each guard interleaved in one run (order reversed every other round); medians, and "
-        "ratios to plain Celery in the same run. Per message: *worker CPU* is the user + "
+        "each guard interleaved in one run (order reversed every other round); medians of the "
+        "rounds. The *vs plain* and *above plain* columns set each round against plain "
+        "Celery's round of the same pass (the machine's speed drifts between passes more than "
+        "the guards differ) and give the median of those ratios or differences, with the "
+        "lowest and highest in brackets. The last row is a yardstick, not a guard: plain "
+        "Celery with one `DEL` to the store after the body, the one round trip celery-once "
+        "and celery-singleton make in the worker. Per message: *worker CPU* is the user + "
         "system time of the worker's main and pool processes (`/proc/<pid>/stat`) while it "
         "drains the queue; *producer CPU* is the sending process's while it sends "
         "(celery-once and celery-singleton take their lock there, at `apply_async`, and "
@@ -351,23 +358,47 @@ def speed_section(
         "| ---: |",
     ]
 
-    def send_and_run(peer: str) -> float:
-        return med(peer, "send_us") + 1e6 / med(peer, "rate")
+    def send_and_run(speed: Speed) -> float:
+        return speed.send_us + 1e6 / speed.rate
+
+    def times(value: float) -> str:
+        return f"{value:.2f}×"
+
+    def microseconds(value: float) -> str:
+        return f"{value:+.0f}"
+
+    def paired(
+        peer: str, figure: Callable[[Speed, Speed], float], show: Callable[[float], str]
+    ) -> str:
+        """The median over rounds of ``figure(guard's round, plain's round)``, each guard's
+        round set against plain Celery's round of the same pass (the machine's speed drifts
+        between passes more than the guards differ), with the lowest and highest."""
+        if not plain or peer == "plain":
+            return "—"
+        rounds = zip(speeds[peer], speeds["plain"], strict=True)
+        values = sorted(figure(mine, base) for mine, base in rounds)
+        middle = show(statistics.median(values))
+        if len(values) < 3:
+            return middle
+        return f"{middle} ({show(values[0])} to {show(values[-1])})"
 
     for peer in speeds:
-        rate, worker = med(peer, "rate"), med(peer, "worker_us")
-        ratio = f"{rate / med('plain', 'rate'):.2f}×" if plain else "—"
-        whole = send_and_run(peer)
-        whole_ratio = f"{send_and_run('plain') / whole:.2f}×" if plain else "—"
-        above = both = "—"
-        if plain and peer != "plain":
-            above = f"{worker - med('plain', 'worker_us'):+.0f}"
-            added = worker + med(peer, "producer_us")
-            added -= med("plain", "worker_us") + med("plain", "producer_us")
-            both = f"{added:+.0f}"
+        whole = statistics.median(send_and_run(speed) for speed in speeds[peer])
+        ratio = paired(peer, lambda mine, base: mine.rate / base.rate, times)
+        whole_ratio = paired(
+            peer, lambda mine, base: send_and_run(base) / send_and_run(mine), times
+        )
+        above = paired(peer, lambda mine, base: mine.worker_us - base.worker_us, microseconds)
+        both = paired(
+            peer,
+            lambda mine, base: (
+                mine.worker_us + mine.producer_us - (base.worker_us + base.producer_us)
+            ),
+            microseconds,
+        )
         lines.append(
-            f"| {NAMES[peer]} | {rate:.0f} | {ratio} | {whole:.0f} | {whole_ratio} "
-            f"| {worker:.0f} | {above} "
+            f"| {NAMES[peer]} | {med(peer, 'rate'):.0f} | {ratio} | {whole:.0f} | {whole_ratio} "
+            f"| {med(peer, 'worker_us'):.0f} | {above} "
             f"| {med(peer, 'producer_us'):.0f} | {both} | {med(peer, 'store_us'):.0f} "
             f"| {med(peer, 'store_cpu_us'):.0f} | {med(peer, 'commands'):.1f} "
             f"| {med(peer, 'scripts'):.1f} |"
@@ -432,11 +463,13 @@ def main(argv: list[str] | None = None) -> int:
                 for title, method, _ in SCENARIOS:
                     behaviour[peer][title] = getattr(bench, method)(peer)
                     print(f"{NAMES[peer]}: {title}: {behaviour[peer][title]}", flush=True)
-        speeds: dict[str, list[Speed]] = {p: [] for p in peers}
-        for peer in peers:  # warm-up round, not counted
+        # the one-round-trip yardstick runs in the speed rounds only (its behaviour is plain's)
+        timed = [*peers, "one_trip"] if "plain" in peers else peers
+        speeds: dict[str, list[Speed]] = {p: [] for p in timed}
+        for peer in timed:  # warm-up round, not counted
             bench.throughput(peer, min(50, args.messages))
         for round_no in range(args.rounds):
-            order = peers if round_no % 2 == 0 else list(reversed(peers))
+            order = timed if round_no % 2 == 0 else list(reversed(timed))
             for peer in order:
                 speed = bench.throughput(peer, args.messages)
                 speeds[peer].append(speed)
