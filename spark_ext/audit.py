@@ -511,13 +511,16 @@ def _claims(grouped: DataFrame, grace_s: float, log_end_ms: int | None) -> DataF
         .filter(F.size("_starts") > 0)
         .select("key", F.inline(F.transform("_starts", claim)))
     )
+    # A lease that is no number of seconds (NaN, infinite, beyond a long of milliseconds: a
+    # log taskonce did not write) gives no deadline, so its claim is not judged, as one
+    # without a lease; a plain cast would stop the whole audit on it (ANSI mode).
     claims = claims.withColumn(
         "deadline_ms",
         F.greatest(F.col("start_ms"), F.col("renewed_ms"))
-        + ((F.col("lease_s") + F.lit(float(grace_s))) * 1000).cast("long"),
+        + ((F.col("lease_s") + F.lit(float(grace_s))) * 1000).try_cast("long"),
     )
     return claims.filter(
-        F.col("lease_s").isNotNull()
+        F.col("deadline_ms").isNotNull()
         & (
             (F.col("ended_ms") > F.col("deadline_ms"))
             | (F.col("ended_ms").isNull() & (F.lit(log_end_ms).cast("long") > F.col("deadline_ms")))
@@ -531,10 +534,10 @@ def _may_be_stuck(grace_s: float) -> Column:
     before the claims' higher-order functions (interpreted element by element), which then run
     on the few keys it leaves.
 
-    A claim is stuck only when it has a lease and either ended after its deadline (start plus
-    lease and grace, or later) or never ended. Its end is an event of its key, so the first
-    case needs the key's events to span more than the least lease of the key plus the grace;
-    the second needs the key's last claim start to be followed by no completion, release or
+    A claim is stuck only when it has a lease (a number of seconds: see :func:`_claims`) and
+    either ended after its deadline (start plus lease and grace, or later) or never ended. Its
+    end is an event of its key, so the first case needs the key's events to span more than the
+    least lease of the key plus the grace; the second needs the key's last claim start to be followed by no completion, release or
     mark (a lease loss by another worker does not end it, so a lease loss keeps the key in).
     """
     from pyspark.sql import functions as F
@@ -554,11 +557,7 @@ def _may_be_stuck(grace_s: float) -> Column:
     )
     ending = [name for name in CLAIM_END_EVENTS if name != "lease_lost"]
     open_at_end = ~_any_of(after_last_start, ending)
-    return (
-        last_start_from_end.isNotNull()
-        & least_lease.isNotNull()
-        & (long_enough | F.isnan(least_lease) | open_at_end)
-    )
+    return last_start_from_end.isNotNull() & least_lease.isNotNull() & (long_enough | open_at_end)
 
 
 def _scoped(frame: DataFrame, *aggregates: Column) -> list[tuple[str, str, dict[str, Any]]]:

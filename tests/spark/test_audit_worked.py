@@ -178,3 +178,27 @@ def test_grouped_classification_is_the_windows(spark: Any, tmp_path: Path) -> No
     by_group = rows(_classified_events(group_by_key(events), 3600.0))
     assert len(by_window) == worked.EXPECTED_EVENTS
     assert by_group == by_window
+
+
+def test_a_lease_that_is_no_number_of_seconds_gives_no_deadline(spark: Any, tmp_path: Path) -> None:
+    """A claim whose ``lease_s`` is NaN, infinite or too large for a deadline in milliseconds
+    (a log not written by taskonce, or edited) is not judged stuck, as one without a lease;
+    the audit still reads every event and finds the stuck claim beside them."""
+    from taskonce.spark_ext import audit
+
+    e = worked.event
+    events = [
+        e(0, "claimed", "odd:nan", "odd", lease_s=float("nan")),
+        e(0, "claimed", "odd:inf", "odd", lease_s=float("inf")),
+        e(0, "claimed", "odd:huge", "odd", lease_s=1e300),
+        e(0, "claimed", "odd:stuck", "odd", lease_s=60),
+        e(1000, "claimed", "odd:last", "odd"),
+        e(1001, "completed", "odd:last", "odd"),
+    ]
+    path = worked.write_jsonl(tmp_path / "odd.jsonl", events, malformed=False)
+    result = audit(spark, [str(path)])
+    overall = result.report["overall"]
+    assert overall["deliveries"] == 5
+    assert overall["runs"] == 5
+    assert overall["stuck_claims"] == 1
+    assert [row["key"] for row in result.stuck_sample] == ["odd:stuck"]
