@@ -537,8 +537,9 @@ def _may_be_stuck(grace_s: float) -> Column:
     A claim is stuck only when it has a lease (a number of seconds: see :func:`_claims`) and
     either ended after its deadline (start plus lease and grace, or later) or never ended. Its
     end is an event of its key, so the first case needs the key's events to span more than the
-    least lease of the key plus the grace; the second needs the key's last claim start to be followed by no completion, release or
-    mark (a lease loss by another worker does not end it, so a lease loss keeps the key in).
+    least lease of the key plus the grace; the second needs the key's last claim start to be
+    followed by no completion, release or mark (a lease loss by another worker does not end
+    it, so a lease loss keeps the key in).
     """
     from pyspark.sql import functions as F
 
