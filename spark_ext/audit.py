@@ -511,13 +511,16 @@ def _claims(grouped: DataFrame, grace_s: float, log_end_ms: int | None) -> DataF
         .filter(F.size("_starts") > 0)
         .select("key", F.inline(F.transform("_starts", claim)))
     )
-    # A lease that is no number of seconds (NaN, infinite, beyond a long of milliseconds: a
-    # log taskonce did not write) gives no deadline, so its claim is not judged, as one
-    # without a lease; a plain cast would stop the whole audit on it (ANSI mode).
+    # A lease that is no number of seconds (NaN, infinite, a deadline beyond a long of
+    # milliseconds: a log taskonce did not write) gives no deadline, so its claim is not
+    # judged, as one without a lease; a plain cast or sum would stop the whole audit on it
+    # (ANSI mode).
     claims = claims.withColumn(
         "deadline_ms",
-        F.greatest(F.col("start_ms"), F.col("renewed_ms"))
-        + ((F.col("lease_s") + F.lit(float(grace_s))) * 1000).try_cast("long"),
+        F.try_add(
+            F.greatest(F.col("start_ms"), F.col("renewed_ms")),
+            ((F.col("lease_s") + F.lit(float(grace_s))) * 1000).try_cast("long"),
+        ),
     )
     return claims.filter(
         F.col("deadline_ms").isNotNull()

@@ -265,8 +265,9 @@ def _normalise(frame: DataFrame) -> DataFrame:
     elif ts_type.typeName() in ("timestamp", "timestamp_ntz"):
         ts_ms = F.unix_millis(F.col("ts").cast("timestamp"))
     elif ts_type.typeName() in ("long", "integer", "double", "float", "decimal"):
-        # numeric times: epoch seconds (as Python's time.time())
-        ts_ms = (F.col("ts").cast("double") * 1000).cast("long")
+        # numeric times: epoch seconds (as Python's time.time()); one that is no time (NaN,
+        # infinite, beyond a long of milliseconds) makes its row malformed, not the read fail
+        ts_ms = (F.col("ts").cast("double") * 1000).try_cast("long")
     else:
         ts_ms = F.unix_millis(F.col("ts").cast("string").try_cast("timestamp"))
     corrupt = F.col(CORRUPT_COLUMN) if CORRUPT_COLUMN in types else F.lit(None).cast("string")

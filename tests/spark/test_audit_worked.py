@@ -191,6 +191,7 @@ def test_a_lease_that_is_no_number_of_seconds_gives_no_deadline(spark: Any, tmp_
         e(0, "claimed", "odd:nan", "odd", lease_s=float("nan")),
         e(0, "claimed", "odd:inf", "odd", lease_s=float("inf")),
         e(0, "claimed", "odd:huge", "odd", lease_s=1e300),
+        e(0, "claimed", "odd:near-limit", "odd", lease_s=9.223371e15),  # start + lease: no long
         e(0, "claimed", "odd:stuck", "odd", lease_s=60),
         e(1000, "claimed", "odd:last", "odd"),
         e(1001, "completed", "odd:last", "odd"),
@@ -198,7 +199,7 @@ def test_a_lease_that_is_no_number_of_seconds_gives_no_deadline(spark: Any, tmp_
     path = worked.write_jsonl(tmp_path / "odd.jsonl", events, malformed=False)
     result = audit(spark, [str(path)])
     overall = result.report["overall"]
-    assert overall["deliveries"] == 5
-    assert overall["runs"] == 5
+    assert overall["deliveries"] == 6
+    assert overall["runs"] == 6
     assert overall["stuck_claims"] == 1
     assert [row["key"] for row in result.stuck_sample] == ["odd:stuck"]

@@ -119,3 +119,26 @@ def test_console_progress_lines(spark: Any) -> None:
     lines = stream.getvalue().splitlines()
     assert lines[0].startswith("[audit 1/3] reading")
     assert lines[1].startswith("[audit 2/3] counting")
+
+
+def test_numeric_times_that_are_no_time_are_malformed_rows(spark: Any, tmp_path: Path) -> None:
+    """A Parquet log with ``ts`` in epoch seconds: a NaN, infinite or out-of-range time makes
+    its row malformed (counted, dropped), and the audit reads the rest."""
+    start = worked.T0.timestamp()
+    rows = [
+        (start, "claimed", "n:k1", "n"),
+        (start + 1, "completed", "n:k1", "n"),
+        (start + 2, "duplicate_skipped", "n:k1", "n"),
+        (float("nan"), "claimed", "n:k2", "n"),
+        (float("inf"), "claimed", "n:k3", "n"),
+        (1e300, "claimed", "n:k4", "n"),
+    ]
+    folder = tmp_path / "numeric"
+    spark.createDataFrame(rows, "ts double, event string, key string, queue string").write.parquet(
+        str(folder)
+    )
+    result = audit(spark, [str(folder)], fmt="parquet")
+    assert result.info["malformed"] == 3
+    assert result.report["events"] == 3
+    assert result.report["overall"]["deliveries"] == 2
+    assert result.report["overall"]["duplicates_skipped"] == 1
