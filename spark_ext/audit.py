@@ -316,7 +316,9 @@ def group_by_key(events: DataFrame) -> DataFrame:
     :data:`EVENT_FIELDS`, sorted by time and then source order), ``first_done`` and
     ``first_anchor`` (the 1-based positions in ``events`` of the key's first completed/marked
     event and of its first claim, mark or completion; 0 without one), ``delivered`` and
-    ``leaked`` (a concurrent duplicate, or a run after the first completion).
+    ``leaked`` (a concurrent duplicate, or a run after the first completion), and
+    ``last_valid_ms``, ``first_delivery_ms`` and ``last_delivery_ms`` (the times of the row's
+    last valid event and of its first and last delivery; null without one).
 
     Malformed rows and rows without a key are rows of their own (``key`` null, one event): they
     count in the totals and take no part in any key's timeline. One shuffle, the only one over
@@ -339,15 +341,26 @@ def group_by_key(events: DataFrame) -> DataFrame:
     # gather a partial list per key on the map side of the shuffle (sorting all events by key
     # to do it, since nearly every key is new), which only costs when a key's events are far
     # apart in the log. The same partitioning as the grouping's own shuffle.
+    # The row's last valid event and its first and last delivery, as numbers beside the
+    # array: the audit's span and log end then read three numeric columns of the kept rows,
+    # not every row's array of events.
+    delivery_t = F.when(_in("event", DELIVERY_EVENTS), F.col("t_ms"))
     grouped = (
         named.select(
             F.when(keyed, F.col("key")).alias("key"),
             F.when(~keyed, F.col("seq")).alias("_row"),
             F.struct(*fields).alias("_event"),
+            F.when(F.col("_valid"), F.col("t_ms")).alias("_valid_t"),
+            delivery_t.alias("_delivery_t"),
         )
         .repartition("key", "_row")
         .groupBy("key", "_row")
-        .agg(F.sort_array(F.collect_list("_event")).alias("events"))
+        .agg(
+            F.sort_array(F.collect_list("_event")).alias("events"),
+            F.max("_valid_t").alias("last_valid_ms"),
+            F.min("_delivery_t").alias("first_delivery_ms"),
+            F.max("_delivery_t").alias("last_delivery_ms"),
+        )
     )
 
     # Array functions over the names only (see _first_position): with lambdas over the
@@ -362,6 +375,9 @@ def group_by_key(events: DataFrame) -> DataFrame:
         "events",
         first(DONE_EVENTS).alias("first_done"),
         first(ANCHOR_EVENTS).alias("first_anchor"),
+        "last_valid_ms",
+        "first_delivery_ms",
+        "last_delivery_ms",
     )
     # a leaked run: a concurrent duplicate, or a run after the key's first completion
     after_done = F.slice(names, F.col("first_done") + 1, F.size(names) - F.col("first_done"))
@@ -804,26 +820,12 @@ class AuditRun:
         self._partitions_set = True
         logger.info("audit: %d shuffle partitions", partitions)
         self.grouped = self._keep(group_by_key(raw))
-        # a keyed row's events are all valid; a row without a key holds one event, valid or
-        # not (a malformed row's event name is null)
-        last_valid = F.when(
-            F.col("key").isNotNull(), F.array_max(F.col("events")["t_ms"])
-        ).otherwise(F.when(F.col("events")[0]["event"].isNotNull(), F.col("events")[0]["t_ms"]))
         # the first and last delivery (their span sets the timeline's buckets, which the
-        # per-scope pass counts in the same aggregation as the scopes): the events are sorted,
-        # so they are the first delivery from either end
-        events = F.col("events")
-
-        def delivery_t(names: Column, at: Callable[[Column], Column]) -> Column:
-            position = _first_position(names, DELIVERY_EVENTS)
-            return F.when(
-                position.isNotNull(), F.element_at(events, at(position.cast("int")))["t_ms"]
-            )
-
+        # per-scope pass counts in the same aggregation as the scopes)
         row = self.grouped.agg(
-            F.max(last_valid).alias("last_ms"),
-            F.min(delivery_t(events["event"], lambda p: p)).alias("first_delivery_ms"),
-            F.max(delivery_t(F.reverse(events["event"]), lambda p: -p)).alias("last_delivery_ms"),
+            F.max("last_valid_ms").alias("last_ms"),
+            F.min("first_delivery_ms").alias("first_delivery_ms"),
+            F.max("last_delivery_ms").alias("last_delivery_ms"),
         ).first()
         self.log_end_ms = None if row is None else row["last_ms"]
         first_ms = None if row is None else row["first_delivery_ms"]
@@ -1095,15 +1097,19 @@ class AuditRun:
         handoff, producer = _handoff_figures(
             self.notable, any_sends=bool(self.scopes["overall"].get("sends_events"))
         )
+        # the latest first; ties broken by the rows' own fields, so that two runs over the
+        # same log show the same samples
         leaks_sample = [
             _plain(row.asDict())
-            for row in self.leaks_table.orderBy(F.desc("last_leak_at"))
+            for row in self.leaks_table.orderBy(F.desc("last_leak_at"), "key")
             .limit(self.sample_rows)
             .collect()
         ]
         stuck_sample = [
             _plain(row.asDict())
-            for row in self.stuck_table.orderBy(F.desc("claimed_at"))
+            for row in self.stuck_table.orderBy(
+                F.desc("claimed_at"), "key", "worker", "how", "deadline", "ended_at"
+            )
             .limit(self.sample_rows)
             .collect()
         ]

@@ -203,3 +203,26 @@ def test_a_lease_that_is_no_number_of_seconds_gives_no_deadline(spark: Any, tmp_
     assert overall["runs"] == 6
     assert overall["stuck_claims"] == 1
     assert [row["key"] for row in result.stuck_sample] == ["odd:stuck"]
+
+
+def test_samples_break_ties_by_key(spark: Any, tmp_path: Path) -> None:
+    """Rows tied on time reach the report's samples in key order, so two runs over the same
+    log, however Spark splits it, show the same samples."""
+    from taskonce.spark_ext import audit
+
+    e = worked.event
+    events = [
+        item
+        for key in ("tie:b", "tie:c", "tie:a")
+        for item in (
+            e(0, "claimed", key, "tie"),
+            e(1, "completed", key, "tie"),
+            e(10, "claimed", key, "tie"),  # ran again: a leak, and a claim never ended
+        )
+    ] + [e(1000, "claimed", "tie:z", "tie"), e(1001, "completed", "tie:z", "tie")]
+    path = worked.write_jsonl(tmp_path / "ties.jsonl", events, malformed=False)
+    result = audit(spark, [str(path)], sample_rows=2)
+    assert result.report["overall"]["leaks"] == 3
+    assert result.report["overall"]["stuck_claims"] == 3
+    assert [row["key"] for row in result.leaks_sample] == ["tie:a", "tie:b"]
+    assert [row["key"] for row in result.stuck_sample] == ["tie:a", "tie:b"]
