@@ -336,15 +336,15 @@ def group_by_key(events: DataFrame) -> DataFrame:
         )
         for name in EVENT_FIELDS
     ]
+    # The row's last valid event and its first and last delivery, as numbers beside the
+    # array: the audit's span and log end then read three numeric columns of the kept rows,
+    # not every row's array of events.
+    delivery_t = F.when(_in("event", DELIVERY_EVENTS), F.col("t_ms"))
     # Shuffled by the grouping columns first, so that the grouping finds each key's events in
     # one partition and aggregates them there once: grouped straight away, Spark would first
     # gather a partial list per key on the map side of the shuffle (sorting all events by key
     # to do it, since nearly every key is new), which only costs when a key's events are far
     # apart in the log. The same partitioning as the grouping's own shuffle.
-    # The row's last valid event and its first and last delivery, as numbers beside the
-    # array: the audit's span and log end then read three numeric columns of the kept rows,
-    # not every row's array of events.
-    delivery_t = F.when(_in("event", DELIVERY_EVENTS), F.col("t_ms"))
     grouped = (
         named.select(
             F.when(keyed, F.col("key")).alias("key"),
