@@ -284,7 +284,7 @@ def _load() -> str:
 
 PASS_NAMES = {
     "classify": "classify (read, group by key, keep)",
-    "per_key": "per key (stuck claims)",
+    "per_key": "per key (keep the rare key rows, stuck claims)",
     "per_scope": "per scope (event counts, keys, leaked keys)",
     "gaps": "gaps (percentiles, histogram, leaks table)",
     "what_if": "what-if and timeline",

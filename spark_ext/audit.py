@@ -91,6 +91,10 @@ AUDIT_COLUMNS = (
 )
 #: The hand-off's events.
 SENDS_EVENTS = ("sends_deferred", "sends_dispatched", "sends_redispatched", "sends_discarded")
+# The events of a duplicate delivery, and those :meth:`AuditRun.gaps` keeps whatever their
+# dup_kind: a key row holding one is one of the rare rows.
+_DUPLICATE_EVENTS = ("duplicate_skipped", "in_progress_deferred", "concurrent_duplicate")
+_KEPT_EVENTS = (*SENDS_EVENTS, "lease_taken_over")
 
 
 @dataclasses.dataclass
@@ -722,6 +726,7 @@ class AuditRun:
 
     grouped: DataFrame
     classified: DataFrame
+    rare: DataFrame
     stuck: DataFrame
     leaks_table: DataFrame
     stuck_table: DataFrame
@@ -835,10 +840,20 @@ class AuditRun:
         return self.classified
 
     def per_key(self) -> None:
-        """The stuck claims, from each key's row (:func:`_claims`)."""
+        """The key rows that hold anything rare (a claim that may be stuck, a duplicate, a
+        takeover, a hand-off event, a leak), kept for this pass and :meth:`gaps`: one scan of
+        the kept rows for both; from them the stuck claims (:func:`_claims`)."""
         from pyspark.sql import functions as F
 
-        self.stuck = self._keep(_claims(self.grouped, self.grace_s, self.log_end_ms))
+        names = F.col("events")["event"]
+        self.rare = self._keep(
+            self.grouped.filter(
+                (F.col("key").isNotNull() & _may_be_stuck(self.grace_s))
+                | _any_of(names, (*_DUPLICATE_EVENTS, *_KEPT_EVENTS))
+                | F.col("leaked")
+            )
+        )
+        self.stuck = self._keep(_claims(self.rare, self.grace_s, self.log_end_ms))
         self._stuck_counts = _scoped(self.stuck, F.count(F.lit(1)).alias("stuck_claims"))
         self.stuck_table = self.stuck.select(
             "key",
@@ -953,21 +968,22 @@ class AuditRun:
         self.scopes = scopes
 
     def gaps(self) -> None:
-        """Keep the rare rows (duplicates, takeovers, hand-off events: one scan of the kept
-        frame) for this pass and the later ones; from them the take-over recovery percentiles,
-        the gap percentiles per scope (exact up to :data:`EXACT_PERCENTILE_LIMIT` gaps) and the
-        log histogram for the chart."""
+        """Keep the notable events (duplicates, takeovers, hand-off events) for this pass and
+        the later ones, from :meth:`per_key`'s rare rows; from them the take-over recovery
+        percentiles, the gap percentiles per scope (exact up to
+        :data:`EXACT_PERCENTILE_LIMIT` gaps) and the log histogram for the chart."""
         from pyspark.sql import functions as F
 
-        # the rare rows: duplicates and the hand-off's events, one scan of the kept frame;
-        # only the key rows holding one are spread into events (a duplicate of a key is a
-        # skipped, deferred or concurrent delivery, or a rerun: a leaked key)
-        kept_events = (*SENDS_EVENTS, "lease_taken_over")  # kept whatever their dup_kind
-        rare = ("duplicate_skipped", "in_progress_deferred", "concurrent_duplicate", *kept_events)
-        with_rare = self.grouped.filter(_any_of(F.col("events")["event"], rare) | F.col("leaked"))
+        # only the key rows holding a duplicate or a kept event are spread into events (a
+        # duplicate of a key is a skipped, deferred or concurrent delivery, or a rerun: a
+        # leaked key)
+        with_rare = self.rare.filter(
+            _any_of(F.col("events")["event"], (*_DUPLICATE_EVENTS, *_KEPT_EVENTS))
+            | F.col("leaked")
+        )
         self.notable = self._keep(
             _classified_events(with_rare, self.keep_for_s).filter(
-                F.col("dup_kind").isNotNull() | _in("event", kept_events)
+                F.col("dup_kind").isNotNull() | _in("event", _KEPT_EVENTS)
             )
         )
         self.duplicates = self.notable.filter(F.col("dup_kind").isNotNull())
