@@ -978,8 +978,7 @@ class AuditRun:
         # duplicate of a key is a skipped, deferred or concurrent delivery, or a rerun: a
         # leaked key)
         with_rare = self.rare.filter(
-            _any_of(F.col("events")["event"], (*_DUPLICATE_EVENTS, *_KEPT_EVENTS))
-            | F.col("leaked")
+            _any_of(F.col("events")["event"], (*_DUPLICATE_EVENTS, *_KEPT_EVENTS)) | F.col("leaked")
         )
         self.notable = self._keep(
             _classified_events(with_rare, self.keep_for_s).filter(
