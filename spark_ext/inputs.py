@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import logging
+import math
 import os
 import re
 import urllib.parse
@@ -256,7 +257,12 @@ def _normalise(frame: DataFrame) -> DataFrame:
         if name == "ts":
             continue
         if name in types:
-            columns.append(F.col(name).try_cast(kind).alias(name))
+            column = F.col(name).try_cast(kind)
+            if kind == "double":
+                # a NaN or infinite duration (JSON's NaN/Infinity, a float column) is no number
+                # of seconds: unknown, as if absent, so that no figure and no report holds it
+                column = F.when(~F.isnan(column) & (F.abs(column) < F.lit(math.inf)), column)
+            columns.append(column.alias(name))
         else:
             columns.append(F.lit(None).cast(kind).alias(name))
     ts_type = types.get("ts")

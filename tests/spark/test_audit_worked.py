@@ -205,6 +205,48 @@ def test_a_lease_that_is_no_number_of_seconds_gives_no_deadline(spark: Any, tmp_
     assert [row["key"] for row in result.stuck_sample] == ["odd:stuck"]
 
 
+def test_durations_that_are_no_number_are_unknown(spark: Any, tmp_path: Path) -> None:
+    """A ``recovery_s``, ``keep_for_s`` or ``duration_ms`` that is NaN or infinite (JSON's
+    ``NaN``/``Infinity``: a log not written by taskonce, or edited) is unknown, as if absent:
+    the figures come from the numbers beside it, and report.json stays strict JSON."""
+    from taskonce.spark_ext import audit
+
+    def e(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        return worked.event(*args, **{"keep_for_s": 7200, **kwargs})
+
+    events = [
+        e(0, "claimed", "odd:a", "odd", worker="w1:1"),
+        e(5, "lease_taken_over", "odd:a", "odd", worker="w2:2", recovery_s=4.0),
+        e(6, "completed", "odd:a", "odd", worker="w2:2"),
+        e(7, "claimed", "odd:b", "odd", worker="w1:1"),
+        e(8, "lease_taken_over", "odd:b", "odd", worker="w2:2", recovery_s=float("nan")),
+        e(9, "completed", "odd:b", "odd", worker="w2:2", keep_for_s=float("nan")),
+        e(10, "claimed", "odd:c", "odd", worker="w1:1"),
+        e(11, "lease_taken_over", "odd:c", "odd", worker="w2:2", recovery_s=float("inf")),
+        {
+            **e(12, "completed", "odd:c", "odd", worker="w2:2", keep_for_s=float("inf")),
+            "duration_ms": float("-inf"),
+        },
+    ]
+    path = worked.write_jsonl(tmp_path / "odd.jsonl", events, malformed=False)
+    out = tmp_path / "out"
+    result = audit(spark, [str(path)], out=str(out), charts=False)
+
+    def no_constant(name: str) -> None:
+        raise AssertionError(f"report.json holds {name}, which strict JSON parsers refuse")
+
+    report = json.loads(
+        (out / "report.json").read_text(encoding="utf-8"), parse_constant=no_constant
+    )
+    assert report["overall"]["takeovers"] == 3
+    assert report["overall"]["runs"] == 6
+    assert report["keep_for_s"] == 7200
+    overall = result.details["overall"]
+    assert overall["keep_for_in_force_s"] == 7200
+    assert (overall["recovery_p50_s"], overall["recovery_max_s"]) == (4.0, 4.0)
+    assert "nan" not in (out / "report.md").read_text(encoding="utf-8").lower()
+
+
 def test_samples_break_ties_by_key(spark: Any, tmp_path: Path) -> None:
     """Rows tied on time reach the report's samples in key order, so two runs over the same
     log, however Spark splits it, show the same samples."""
