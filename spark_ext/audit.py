@@ -622,7 +622,12 @@ def _pair_totals(
     for name, (how, column) in aggregates.items():
         if how == "latest":
             at = F.when(column.isNotNull(), F.col("t_ms"))
-            columns += [F.max_by(column, at).alias(name), F.max(at).alias(f"{name}@")]
+            # of the values at the same latest time, the greatest: the same whatever the order
+            # Spark meets the rows in
+            columns += [
+                F.max_by(column, F.struct(at, column)).alias(name),
+                F.max(at).alias(f"{name}@"),
+            ]
         else:
             columns.append(column.alias(name))
     return frame.groupBy("queue_name", "task_name", *by).agg(*columns)
@@ -635,7 +640,8 @@ def _rolled_up(
     Spark, then roll the pairs up to the scopes here (one row per pair reaches the driver, as
     many as the log has tasks). Each aggregate is ``name=(how, column)``: ``how`` is ``sum``,
     ``min`` or ``max`` (of ``column``), or ``latest``: the value of ``column`` at the greatest
-    ``t_ms`` among the rows where it is not null (``max_by``).
+    ``t_ms`` among the rows where it is not null (``max_by``; of several values at that time,
+    the greatest).
 
     Cheaper than grouping sets over every event: those copy each row three times (one per
     grouping set) before aggregating."""
@@ -667,7 +673,10 @@ def _roll_up(
                 mine, theirs = entry[field], values[field]
                 if how == "latest":
                     at = values[f"{field}@"]
-                    if at is not None and (entry[f"{field}@"] is None or at > entry[f"{field}@"]):
+                    if at is not None and (
+                        entry[f"{field}@"] is None
+                        or (at, theirs) > (entry[f"{field}@"], entry[field])
+                    ):
                         entry[field], entry[f"{field}@"] = theirs, at
                 elif theirs is None:
                     continue

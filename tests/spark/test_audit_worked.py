@@ -247,6 +247,31 @@ def test_durations_that_are_no_number_are_unknown(spark: Any, tmp_path: Path) ->
     assert "nan" not in (out / "report.md").read_text(encoding="utf-8").lower()
 
 
+@pytest.mark.parametrize("values", [(3600, 7200), (7200, 3600)])
+def test_keep_for_in_force_on_a_tie_is_the_longest(
+    spark: Any, tmp_path: Path, values: tuple[int, int]
+) -> None:
+    """Two events at the log's latest millisecond with different ``keep_for_s``: the keep_for
+    in force is the longest of them, whichever key, queue or task carries it and in whatever
+    order Spark meets them."""
+    from taskonce.spark_ext import audit
+
+    e = worked.event
+    events = []
+    for index, keep_for_s in enumerate(values):
+        for queue in ("tq", f"tq{index}"):
+            key = f"{queue}:k{index}"
+            events += [
+                e(0, "claimed", key, queue, keep_for_s=keep_for_s),
+                e(1, "completed", key, queue, keep_for_s=keep_for_s),
+            ]
+    path = worked.write_jsonl(tmp_path / "tie.jsonl", events, malformed=False)
+    result = audit(spark, [str(path)])
+    assert result.report["keep_for_s"] == 7200
+    assert result.details["queue:tq"]["keep_for_in_force_s"] == 7200
+    assert result.details["task:t.tq"]["keep_for_in_force_s"] == 7200
+
+
 def test_samples_break_ties_by_key(spark: Any, tmp_path: Path) -> None:
     """Rows tied on time reach the report's samples in key order, so two runs over the same
     log, however Spark splits it, show the same samples."""
