@@ -21,7 +21,12 @@ from tests.spark import worked
 from tests.spark.conftest import POSTGRESQL_JAR
 
 # One column per public event field, in order (the table a user would load events into).
-_SQL_TYPES = {"string": "text", "long": "bigint", "boolean": "boolean", "double": "double precision"}
+_SQL_TYPES = {
+    "string": "text",
+    "long": "bigint",
+    "boolean": "boolean",
+    "double": "double precision",
+}
 COLUMNS = ", ".join(
     f"{name} {'timestamptz' if name == 'ts' else _SQL_TYPES[FIELD_TYPES[name]]}" for name in FIELDS
 )
