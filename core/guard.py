@@ -730,7 +730,8 @@ class Guard:
         # arriving in between waits instead of publishing them a second time.
         hold = self.recorder_hold
         recorded = False
-        conflict = False  # check_first=False: the mark met the key's record; rolled back
+        # transactional: the mark met the key's record, so the transaction was rolled back
+        conflict = False
         try:
             if policy.mode == "eager":
                 assert ticket.owner is not None
@@ -769,6 +770,10 @@ class Guard:
                         ),
                     )
                     wrote = bool(wrote) and self._commit(ticket, duplicate_ok=True)
+                    # A run that loses at its mark left no effect: it is decided like the
+                    # duplicate it is, whether or not the look-up before it ran (a concurrent
+                    # copy passes that look-up too). Outside a transaction both runs stand.
+                    conflict = not wrote
                 elif sends:
                     wrote = bool(
                         self._final_write(
@@ -785,7 +790,6 @@ class Guard:
                         )
                     )
                 recorded = wrote
-                conflict = not wrote and not policy.check_first
                 if not conflict:
                     self._emit("marked" if wrote else "concurrent_duplicate", ticket, duration=True)
         except LeaseLost:
@@ -818,12 +822,12 @@ class Guard:
             raise encode_error
 
     def _rolled_back(self, ticket: Ticket) -> None:
-        """``check_first=False``: the mark met a live record of the key, so the handler's
-        transaction was rolled back (its writes and sends gone). Decide now what the skipped
-        pre-check would have decided, from the record that won: a payload mismatch (raised), a
-        duplicate (``SKIP``, ``duplicate_skipped`` with reason ``rolled_back``; its pending
-        sends published, as a pre-checked duplicate would) or a claim still in progress
-        (``DEFER``)."""
+        """A transactional mark met a live record of the key (``check_first=False``, or a
+        concurrent copy that passed the look-up too), so the handler's transaction was rolled
+        back (its writes and sends gone). Decide now what a look-up would have decided, from
+        the record that won: a payload mismatch (raised), a duplicate (``SKIP``,
+        ``duplicate_skipped`` with reason ``rolled_back``; its pending sends published, as a
+        pre-checked duplicate would) or a claim still in progress (``DEFER``)."""
         assert ticket.key is not None
         try:
             record = self.store.get(ticket.key)

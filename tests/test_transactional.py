@@ -81,7 +81,12 @@ def test_a_handler_that_raises_leaves_neither_row_nor_mark(
     assert rows(store, effects) == [("m1", "")]
 
 
-def test_two_lazy_deliveries_that_both_ran_leave_one_row(db: tuple[SQLStore, str]) -> None:
+def test_two_lazy_deliveries_that_both_ran_leave_one_row_and_one_run(
+    db: tuple[SQLStore, str],
+) -> None:
+    """Both copies pass the look-up and run; the one that marks second is rolled back and is
+    then the duplicate it is (as with check_first=False): skipped, the first run's result
+    kept, and no ``concurrent_duplicate`` (the audit's leak) for a run that left no effect."""
     store, effects = db
     events: list[str] = []
 
@@ -100,7 +105,8 @@ def test_two_lazy_deliveries_that_both_ran_leave_one_row(db: tuple[SQLStore, str
     first._session.execute(sa.text(f"INSERT INTO {effects} (key, note) VALUES ('m1', 'first')"))
     guard.finish(first)
     assert rows(store, effects) == [("m1", "second")]
-    assert events == ["marked", "concurrent_duplicate"]
+    assert events == ["marked", "duplicate_skipped"]
+    assert first.decision is Decision.SKIP
 
 
 # SQLite has one writer at a time: its transactions cannot interleave like this.
@@ -130,7 +136,8 @@ def test_two_interleaved_lazy_transactions_on_postgresql_leave_one_row(
     for thread in threads:
         thread.join(60)
     assert not errors
-    assert outcomes == ["ran", "ran"]  # lazy: both ran; the mark decided whose effect stays
+    # both bodies ran; the mark decided whose effect stays, and the other is a duplicate
+    assert sorted(outcomes) == ["ran", "skipped"]
     assert len(rows(store, effects)) == 1
 
 

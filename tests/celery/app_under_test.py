@@ -217,37 +217,28 @@ def effect(
 if SQL_STORE:
     # Declared on SQL stores only: a transactional option is refused at start on Redis.
 
-    @app.task(
-        base=IdempotentTask,
-        bind=True,
-        acks_late=True,
-        reject_on_worker_lost=True,
-        idempotency={"mode": "lazy", "transactional": True, "check_first": False},
-        name="t.opt_effect",
-    )
-    def opt_effect(
-        self: Any,
+    def _effect(
+        task: Any,
         table: str,
         effects: str,
         label: str,
         hang_first: bool = False,
         wait_other: bool = False,
     ) -> str:
-        """Optimistic (check_first=False): counts its run, writes one row into ``effects``
-        through the guard's transaction; the first run hangs (to be SIGKILLed). With
-        ``wait_other`` one of two concurrent runs (the one that takes an advisory lock on the
-        task id) holds its uncommitted row until the other has committed its own, and fails if
-        that never happens."""
+        """Counts its run, writes one row into ``effects`` through the guard's transaction; the
+        first run hangs (to be SIGKILLed). With ``wait_other`` one of two concurrent runs (the
+        one that takes an advisory lock on the task id) holds its uncommitted row until the
+        other has committed its own, and fails if that never happens."""
         from sqlalchemy import text
 
         if not _TABLE.match(effects):
             raise ValueError(f"bad table name {effects!r}")
-        runs = count_run(table, self, label)
+        runs = count_run(table, task, label)
         session = taskonce.current_session()
         session.execute(text(f"INSERT INTO {effects} (label) VALUES (:label)"), {"label": label})
         if hang_first and runs == 1:
             time.sleep(120)  # the test SIGKILLs this child: the insert above never commits
-        if wait_other and _lock(self.request.id):
+        if wait_other and _lock(task.request.id):
             try:
                 deadline = time.monotonic() + 60
                 while _committed(effects, label) == 0:
@@ -255,8 +246,23 @@ if SQL_STORE:
                         raise RuntimeError("no other run of this label committed meanwhile")
                     time.sleep(0.05)
             finally:
-                _lock(self.request.id, release=True)
+                _lock(task.request.id, release=True)
         return label
+
+    for name, policy in (
+        # optimistic: no look-up before the body
+        ("t.opt_effect", {"mode": "lazy", "transactional": True, "check_first": False}),
+        # the look-up before the body: two copies at once both pass it
+        ("t.txn_effect", {"mode": "lazy", "transactional": True}),
+    ):
+        app.task(
+            base=IdempotentTask,
+            bind=True,
+            acks_late=True,
+            reject_on_worker_lost=True,
+            idempotency=policy,
+            name=name,
+        )(_effect)
 
 
 def _lock(name: str, release: bool = False) -> bool:

@@ -76,14 +76,19 @@ def test_child_killed_mid_body_runs_again_and_commits_once(
     assert stack.worker.alive()
 
 
-def test_two_deliveries_at_once_commit_one_row(stack: Stack, runs: Table, effects: Table) -> None:
+@pytest.mark.parametrize("task", ["t.opt_effect", "t.txn_effect"])
+def test_two_deliveries_at_once_commit_one_row(
+    stack: Stack, runs: Table, effects: Table, task: str
+) -> None:
     """Two copies in the two pool processes at once: one holds its uncommitted row until the
     other has committed its own (it fails if that never happens); then it meets the key at its
-    mark and rolls back."""
+    mark and rolls back: a duplicate, skipped. With the look-up before the body
+    (``t.txn_effect``) too: both copies pass it, and the loser left no effect, so it is no
+    ``concurrent_duplicate``."""
     task_id = new_id()
     for _ in range(2):
         stack.send(
-            "t.opt_effect",
+            task,
             (runs.name, effects.name, "both"),
             "tx",
             task_id=task_id,

@@ -454,6 +454,18 @@ def build(config: Config) -> App:
                 finally:
                     runs.lock(release=True)
 
+        @actor(txn, idempotency={"mode": "lazy", "transactional": True}, max_retries=0)
+        def txn_charge(
+            table: str,
+            effects: str,
+            amount: int,
+            hang_first: bool = False,
+            wait_other: bool = False,
+        ) -> None:
+            """opt_charge with the look-up before the actor (``check_first``, the default): two
+            copies at once both pass it, so the one that marks second is rolled back."""
+            opt_charge.fn(table, effects, amount, hang_first, wait_other)
+
     return App(config, broker, guard, actors, results)
 
 

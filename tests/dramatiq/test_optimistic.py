@@ -62,20 +62,25 @@ def test_duplicates_on_the_wire_run_and_roll_back(
 
 
 @stacks(SQL)
+@pytest.mark.parametrize("actor", ["opt_charge", "txn_charge"])
 def test_two_deliveries_at_once_commit_one_row(
-    shared: Harness, runs_table: str, effects_table: str
+    shared: Harness, runs_table: str, effects_table: str, actor: str
 ) -> None:
     """Two copies in the worker's two threads at once: the first holds its uncommitted row
     until the second has committed its own (it fails if that never happens), then meets the
-    key at its mark and rolls back."""
+    key at its mark and rolls back: a duplicate, skipped. With the look-up before the actor
+    (``txn_charge``) too: both copies pass it, and the loser left no effect, so it is no
+    ``concurrent_duplicate``."""
     h = shared
-    message = h.app.actors["opt_charge"].message(runs_table, effects_table, 5, wait_other=True)
+    message = h.app.actors[actor].message(runs_table, effects_table, 5, wait_other=True)
     h.enqueue(message)
     h.enqueue(message)
     h.wait(lambda: finished(h, message, 2), timeout=40, what="both deliveries acknowledged")
     assert h.runs(runs_table, message.message_id) == 2
     assert effects_of(h, effects_table) == [(message.message_id, 5)]
     assert sorted(h.event_names(message.message_id)) == ["duplicate_skipped", "marked"]
+    skipped = [e for e in h.events(message.message_id) if e["event"] == "duplicate_skipped"]
+    assert skipped[0]["reason"] == "rolled_back"
     # Both acknowledged: the copy that started first saw the other's row committed while its
     # own was not (it raises otherwise, and would be dead-lettered), so both ran at once.
     assert len(h.acks(message.message_id, "ack")) == 2
