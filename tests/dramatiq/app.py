@@ -455,7 +455,7 @@ def build(config: Config) -> App:
                     runs.lock(release=True)
 
         @actor(txn, idempotency={"mode": "lazy", "transactional": True}, max_retries=0)
-        def txn_charge(
+        def checked_charge(
             table: str,
             effects: str,
             amount: int,

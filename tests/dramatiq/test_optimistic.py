@@ -62,14 +62,14 @@ def test_duplicates_on_the_wire_run_and_roll_back(
 
 
 @stacks(SQL)
-@pytest.mark.parametrize("actor", ["opt_charge", "txn_charge"])
+@pytest.mark.parametrize("actor", ["opt_charge", "checked_charge"])
 def test_two_deliveries_at_once_commit_one_row(
     shared: Harness, runs_table: str, effects_table: str, actor: str
 ) -> None:
     """Two copies in the worker's two threads at once: the first holds its uncommitted row
     until the second has committed its own (it fails if that never happens), then meets the
     key at its mark and rolls back: a duplicate, skipped. With the look-up before the actor
-    (``txn_charge``) too: both copies pass it, and the loser left no effect, so it is no
+    (``checked_charge``) too: both copies pass it, and the loser left no effect, so it is no
     ``concurrent_duplicate``."""
     h = shared
     message = h.app.actors[actor].message(runs_table, effects_table, 5, wait_other=True)
