@@ -259,12 +259,13 @@ def build(config: Config) -> App:
     main, lazy, txn, opened = (config.queue(q) for q in ("main", "lazy", "txn", "open"))
     actors: dict[str, dramatiq.Actor[Any, Any]] = {}
 
-    def actor(queue: str, **options: Any) -> Any:
+    def actor(queue: str, name: str | None = None, **options: Any) -> Any:
         def register(fn: Any) -> Any:
-            actors[fn.__name__] = dramatiq.actor(
-                fn, broker=broker, queue_name=queue, actor_name=fn.__name__, **options
+            actor_name = name or fn.__name__
+            actors[actor_name] = dramatiq.actor(
+                fn, broker=broker, queue_name=queue, actor_name=actor_name, **options
             )
-            return actors[fn.__name__]
+            return actors[actor_name]
 
         return register
 
@@ -454,17 +455,14 @@ def build(config: Config) -> App:
                 finally:
                     runs.lock(release=True)
 
-        @actor(txn, idempotency={"mode": "lazy", "transactional": True}, max_retries=0)
-        def checked_charge(
-            table: str,
-            effects: str,
-            amount: int,
-            hang_first: bool = False,
-            wait_other: bool = False,
-        ) -> None:
-            """opt_charge with the look-up before the actor (``check_first``, the default): two
-            copies at once both pass it, so the one that marks second is rolled back."""
-            opt_charge.fn(table, effects, amount, hang_first, wait_other)
+        # opt_charge with the look-up before the actor (check_first, the default): two copies
+        # at once both pass it, so the one that marks second is rolled back
+        actor(
+            txn,
+            name="checked_charge",
+            idempotency={"mode": "lazy", "transactional": True},
+            max_retries=0,
+        )(opt_charge.fn)
 
     return App(config, broker, guard, actors, results)
 
