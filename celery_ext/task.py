@@ -21,8 +21,9 @@ store unreachable         ``fail_closed``: the same, after ``taskonce_store_retr
 bad id / payload mismatch ``Reject(requeue=False)``: not run, dead-lettered where the broker can
 ``ConfigError``           ``Reject(requeue=False)`` too: a configuration that cannot run the
                           message must not acknowledge (lose) it
-``check_first=False``     a duplicate or mismatch is found by ``guard.finish`` (the body ran and
-                          was rolled back): the same ``Ignore``, deferral or ``Reject`` then
+lazy transactional        a duplicate or mismatch found by ``guard.finish`` (``check_first=False``,
+                          or two copies at once: the body ran and was rolled back): the same
+                          ``Ignore``, deferral or ``Reject`` then
 the body sends            captured (``defer_sends``); after it returns its ``link`` callbacks and
                           next ``chain`` step too; published by the guard after the record
 ========================  ==================================================================
@@ -327,8 +328,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # store_result with a result JSON cannot hold: the key is recorded as handled.
             logger.error("taskonce: %s[%s]: %s", self.name, request.id, exc)
         except PayloadMismatch as exc:
-            # check_first=False: the mismatch shows only at the mark; the body's writes and
-            # sends were rolled back. Refused like a pre-checked mismatch: dead-lettered.
+            # Lazy transactional (check_first=False, or two copies at once): the mismatch shows
+            # at the mark; the body's writes and sends were rolled back. Refused like a
+            # pre-checked mismatch: dead-lettered.
             logger.error("taskonce: %s[%s] refused, rolled back: %s", self.name, request.id, exc)
             if eager:
                 raise
@@ -337,7 +339,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             guard.fail(ticket, exc)
             raise
         if ticket.decision is Decision.SKIP:
-            # check_first=False: a duplicate, found at the mark and rolled back. As a skip
+            # Lazy transactional: a duplicate, found at the mark and rolled back. As a skip
             # found before the body: no state stored, no callbacks (they were captured).
             raise Ignore()
         if ticket.decision is Decision.DEFER:

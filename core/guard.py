@@ -711,10 +711,13 @@ class Guard:
         :class:`InvalidInput` (after recording the key as handled) when ``store_result`` is on
         and the result is not JSON-serialisable.
 
-        With ``check_first=False`` the delivery may turn out to be a duplicate only here: its
+        In lazy transactional mode the delivery may turn out to be a duplicate only here (with
+        ``check_first=False``, or as one of two copies that both passed the look-up): its
         transaction is rolled back and ``ticket.decision`` becomes ``SKIP`` (or ``DEFER``, see
         :meth:`_rolled_back`); a different payload under the key raises
-        :class:`PayloadMismatch`. Adapters look at the decision after this returns.
+        :class:`PayloadMismatch`. Adapters look at the decision after this returns. An
+        integrity error at the commit (a constraint of the handler's own, checked at commit)
+        is raised as the handler's failure.
         """
         if ticket.decision is not Decision.RUN:
             return
@@ -763,13 +766,16 @@ class Guard:
                 fp = ticket.fingerprint
                 if ticket._session is not None:
                     session = ticket._session
-                    wrote = self._final_write(
-                        ticket,
-                        lambda: self.store.mark_in(  # type: ignore[attr-defined]
-                            session, key, policy.keep_for, fp, encoded, sends, token, hold
-                        ),
+                    wrote = bool(
+                        self._final_write(
+                            ticket,
+                            lambda: self.store.mark_in(  # type: ignore[attr-defined]
+                                session, key, policy.keep_for, fp, encoded, sends, token, hold
+                            ),
+                        )
                     )
-                    wrote = bool(wrote) and self._commit(ticket, duplicate_ok=True)
+                    if wrote:
+                        self._commit(ticket)
                     # A run that loses at its mark left no effect: it is decided like the
                     # duplicate it is, whether or not the look-up before it ran (a concurrent
                     # copy passes that look-up too). Outside a transaction both runs stand.
@@ -1010,9 +1016,11 @@ class Guard:
         ticket._session = session
         ticket._session_token = _current.set(session)
 
-    def _commit(self, ticket: Ticket, duplicate_ok: bool = False) -> bool:
-        """Commit the handler's transaction; False when a concurrent duplicate's unique key
-        made it fail (``duplicate_ok``), after rolling back."""
+    def _commit(self, ticket: Ticket) -> None:
+        """Commit the handler's transaction. A mark that meets the key shows at its insert
+        (which inserts only when absent), never here: an integrity error at the commit is the
+        handler's own (a constraint checked at commit) and is raised as its failure, after
+        rolling back."""
         from sqlalchemy.exc import IntegrityError, OperationalError
 
         assert ticket._session is not None
@@ -1020,13 +1028,10 @@ class Guard:
             ticket._session.commit()
         except IntegrityError:
             ticket._session.rollback()
-            if duplicate_ok:
-                return False
             raise
         except OperationalError as exc:
             ticket._session.rollback()
             raise StoreUnavailable(f"commit of {ticket.key!r} failed: {exc.orig}") from exc
-        return True
 
     def _close_session(self, ticket: Ticket) -> None:
         session = ticket._session
@@ -1102,7 +1107,7 @@ def _reset(var: contextvars.ContextVar[Any], token: contextvars.Token[Any]) -> N
 
 
 def _finished(ticket: Ticket, value: Any) -> Outcome:
-    """The outcome of a delivery whose handler ran and was finished: with ``check_first=False``
+    """The outcome of a delivery whose handler ran and was finished: in lazy transactional mode
     :meth:`Guard.finish` may have found it a duplicate and rolled it back."""
     if ticket.decision is Decision.SKIP:
         return Outcome("skipped", ticket.stored_result, ticket.key)

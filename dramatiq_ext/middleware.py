@@ -14,8 +14,9 @@ SKIP                   :class:`~.errors.DuplicateSkipped` — acknowledged, not 
 DEFER                  a delayed copy is enqueued (lease remaining), then
                        :class:`~.errors.InProgressDeferred` — this copy acknowledged
 store down (closed)    a delayed copy is enqueued (backoff), then :class:`~.errors.StoreDown`
-RUN, check_first=False a duplicate (or mismatch) shows at the mark, after the actor ran:
-                       rolled back, then acknowledged (or dead-lettered, or deferred)
+RUN, lazy transaction  a duplicate (or mismatch) may show at the mark, after the actor ran
+                       (``check_first=False``, or two copies at once): rolled back, then
+                       acknowledged (or dead-lettered, or deferred)
 RUN, actor sends       captured (``defer_sends``), as are the next pipeline step and
                        ``on_success`` callbacks; the outcome is recorded after ``Pipelines``
                        and ``Callbacks`` ran (by :class:`~.handoff.Finisher`, first in
@@ -341,7 +342,7 @@ class IdempotencyMiddleware(Middleware):
         try:
             self.guard.finish(ticket, result)
         except PayloadMismatch as exc:
-            # check_first=False: found at the mark, the actor's writes and sends rolled back.
+            # Lazy transactional: found at the mark, the actor's writes and sends rolled back.
             # Dead-lettered like a mismatch found before the actor ran.
             logger.error("message %r dead-lettered, rolled back: %s", message.message_id, exc)
             keep_first_result(message)
@@ -383,7 +384,7 @@ class IdempotencyMiddleware(Middleware):
             )
             return
         if ticket.decision is Decision.SKIP:
-            # check_first=False: a duplicate, found at the mark and rolled back; the first
+            # Lazy transactional: a duplicate, found at the mark and rolled back; the first
             # run's stored result stays.
             keep_first_result(message)
         elif ticket.decision is Decision.DEFER:

@@ -109,6 +109,47 @@ def test_two_lazy_deliveries_that_both_ran_leave_one_row_and_one_run(
     assert first.decision is Decision.SKIP
 
 
+# A deferred unique constraint (checked at commit) is PostgreSQL's; SQLite has none.
+@pytest.mark.parametrize("db", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("check_first", [True, False])
+def test_a_handlers_own_constraint_failing_at_commit_is_its_failure(
+    db: tuple[SQLStore, str], check_first: bool
+) -> None:
+    """The handler's writes break a constraint checked only at commit: the commit fails, the
+    mark and the writes are rolled back, and the handler's error reaches the caller as if it
+    had raised it (the framework's retry policy applies), not a duplicate and not a store
+    outage."""
+    store, effects = db
+    with store._engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"ALTER TABLE {effects} ADD CONSTRAINT {effects}_once UNIQUE (key) "
+                "DEFERRABLE INITIALLY DEFERRED"
+            )
+        )
+    events: list[str] = []
+
+    class Names:
+        def emit(self, event: Any) -> None:
+            events.append(event["event"])
+
+    policy = Policy(mode="lazy", transactional=True, check_first=check_first)
+    guard = Guard(store, default=policy, events=[Names()])
+
+    def twice(key: str) -> None:
+        write_effect(effects, key, "a")
+        write_effect(effects, key, "b")  # accepted now, refused at commit
+
+    with pytest.raises(sa.exc.IntegrityError, match=f"{effects}_once"):
+        guard.run("m1", "pay", twice, "m1")
+    assert rows(store, effects) == []
+    assert store.get("pay:m1") is None
+    assert "duplicate_skipped" not in events and "concurrent_duplicate" not in events
+    # the retry, with the handler mended, commits once
+    assert guard.run("m1", "pay", write_effect, effects, "m1").status == "ran"
+    assert rows(store, effects) == [("m1", "")]
+
+
 # SQLite has one writer at a time: its transactions cannot interleave like this.
 @pytest.mark.parametrize("db", ["postgresql"], indirect=True)
 def test_two_interleaved_lazy_transactions_on_postgresql_leave_one_row(

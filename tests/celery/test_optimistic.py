@@ -1,7 +1,9 @@
 """Optimistic transactional mode (``check_first=False``, set as the task's ``idempotency``
 option) through a real prefork worker on the PostgreSQL-store stacks: duplicates on the wire,
 a SIGKILL mid-body, two deliveries at once. Every duplicate runs its body; exactly one effect
-commits."""
+commits.
+The two-at-once test also runs with the look-up before the task (``check_first=True``):
+both copies pass it, and the one that marks second is rolled back the same way."""
 
 from __future__ import annotations
 

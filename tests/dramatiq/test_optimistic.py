@@ -1,7 +1,9 @@
 """Optimistic transactional mode (``check_first=False``, set as the actor's ``idempotency``
 option) through real ``dramatiq`` workers on the PostgreSQL-store stacks: duplicates on the
 wire, a SIGKILL mid-actor, two deliveries at once. Every duplicate runs its actor; exactly one
-effect commits."""
+effect commits.
+The two-at-once test also runs with the look-up before the actor (``check_first=True``):
+both copies pass it, and the one that marks second is rolled back the same way."""
 
 from __future__ import annotations
 
