@@ -91,9 +91,7 @@ AUDIT_COLUMNS = (
 )
 #: The hand-off's events.
 SENDS_EVENTS = ("sends_deferred", "sends_dispatched", "sends_redispatched", "sends_discarded")
-# The events of a duplicate delivery, and those :meth:`AuditRun.gaps` keeps whatever their
-# dup_kind: a key row holding one is one of the rare rows.
-_DUPLICATE_EVENTS = ("duplicate_skipped", "in_progress_deferred", "concurrent_duplicate")
+# The events :meth:`AuditRun.gaps` keeps whatever their dup_kind.
 _KEPT_EVENTS = (*SENDS_EVENTS, "lease_taken_over")
 
 
@@ -584,6 +582,15 @@ def _may_be_stuck(grace_s: float) -> Column:
     return last_start_from_end.isNotNull() & least_lease.isNotNull() & (long_enough | open_at_end)
 
 
+def _notable() -> Column:
+    """True for each key row (of :func:`group_by_key`) that holds a notable event: a duplicate
+    delivery (skipped, deferred or concurrent, or a rerun: a leaked key) or a kept one."""
+    from pyspark.sql import functions as F
+
+    duplicates = ("duplicate_skipped", "in_progress_deferred", "concurrent_duplicate")
+    return _any_of(F.col("events")["event"], (*duplicates, *_KEPT_EVENTS)) | F.col("leaked")
+
+
 def _scoped(frame: DataFrame, *aggregates: Column) -> list[tuple[str, str, dict[str, Any]]]:
     """Aggregate over the grouping sets (), (queue), (task) and collect: (scope, name, values)
     with scope ``overall``, ``queue`` or ``task``."""
@@ -854,12 +861,9 @@ class AuditRun:
         the kept rows for both; from them the stuck claims (:func:`_claims`)."""
         from pyspark.sql import functions as F
 
-        names = F.col("events")["event"]
         self.rare = self._keep(
             self.grouped.filter(
-                (F.col("key").isNotNull() & _may_be_stuck(self.grace_s))
-                | _any_of(names, (*_DUPLICATE_EVENTS, *_KEPT_EVENTS))
-                | F.col("leaked")
+                (F.col("key").isNotNull() & _may_be_stuck(self.grace_s)) | _notable()
             )
         )
         self.stuck = self._keep(_claims(self.rare, self.grace_s, self.log_end_ms))
@@ -983,14 +987,9 @@ class AuditRun:
         :data:`EXACT_PERCENTILE_LIMIT` gaps) and the log histogram for the chart."""
         from pyspark.sql import functions as F
 
-        # only the key rows holding a duplicate or a kept event are spread into events (a
-        # duplicate of a key is a skipped, deferred or concurrent delivery, or a rerun: a
-        # leaked key)
-        with_rare = self.rare.filter(
-            _any_of(F.col("events")["event"], (*_DUPLICATE_EVENTS, *_KEPT_EVENTS)) | F.col("leaked")
-        )
+        # only the key rows holding a notable event are spread into events
         self.notable = self._keep(
-            _classified_events(with_rare, self.keep_for_s).filter(
+            _classified_events(self.rare.filter(_notable()), self.keep_for_s).filter(
                 F.col("dup_kind").isNotNull() | _in("event", _KEPT_EVENTS)
             )
         )

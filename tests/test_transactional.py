@@ -44,6 +44,13 @@ def rows(store: SQLStore, effects: str) -> list[tuple[Any, ...]]:
         return [tuple(r) for r in conn.execute(sa.text(f"SELECT key, note FROM {effects}"))]
 
 
+class Names(list[str]):
+    """An event sink that keeps the events' names."""
+
+    def emit(self, event: Any) -> None:
+        self.append(event["event"])
+
+
 def write_effect(effects: str, key: str, note: str = "") -> None:
     current_session().execute(
         sa.text(f"INSERT INTO {effects} (key, note) VALUES (:k, :n)"), {"k": key, "n": note}
@@ -88,13 +95,8 @@ def test_two_lazy_deliveries_that_both_ran_leave_one_row_and_one_run(
     then the duplicate it is (as with check_first=False): skipped, the first run's result
     kept, and no ``concurrent_duplicate`` (the audit's leak) for a run that left no effect."""
     store, effects = db
-    events: list[str] = []
-
-    class Names:
-        def emit(self, event: Any) -> None:
-            events.append(event["event"])
-
-    guard = Guard(store, default=Policy(mode="lazy", transactional=True), events=[Names()])
+    events = Names()
+    guard = Guard(store, default=Policy(mode="lazy", transactional=True), events=[events])
     first = guard.begin(Delivery("m1", "pay"))
     second = guard.begin(Delivery("m1", "pay"))
     assert first.decision is second.decision is Decision.RUN  # both passed the check
@@ -127,14 +129,9 @@ def test_a_handlers_own_constraint_failing_at_commit_is_its_failure(
                 "DEFERRABLE INITIALLY DEFERRED"
             )
         )
-    events: list[str] = []
-
-    class Names:
-        def emit(self, event: Any) -> None:
-            events.append(event["event"])
-
+    events = Names()
     policy = Policy(mode="lazy", transactional=True, check_first=check_first)
-    guard = Guard(store, default=policy, events=[Names()])
+    guard = Guard(store, default=policy, events=[events])
 
     def twice(key: str) -> None:
         write_effect(effects, key, "a")
