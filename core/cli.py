@@ -15,6 +15,7 @@ import os
 import sqlite3
 import sys
 import threading
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -31,6 +32,35 @@ DEFAULT_STORE = f"sqlite:///{DEFAULT_STORE_PATH}"
 _SQL_SCHEMES = ("sqlite", "postgresql", "postgres", "mysql", "mariadb")
 
 logger = logging.getLogger("taskonce.cli")
+
+# Exit statuses, the same for every command (EXIT_CODES is in --help and docs/operations.md).
+EXIT_OK = 0  # done
+EXIT_NOT_FOUND = 1  # ran, and the answer is "not there": no live record for KEY
+EXIT_ERROR = 2  # could not run as asked: usage, configuration, store unreachable
+EXIT_BUG = 70  # an unexpected error (sysexits' EX_SOFTWARE): its traceback is on stderr
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+EXIT_CODES = f"""\
+exit status, the same for every command:
+  {EXIT_OK:<4} done (purge and relay too when there was nothing to do)
+  {EXIT_NOT_FOUND:<4} not there: inspect/release found no live record for KEY (the
+       live keys it may have meant are suggested); audit --fail-on-leak
+       found a problem; the demo's exactly-once check failed
+  {EXIT_ERROR:<4} could not run as asked, said in one line on stderr: bad arguments,
+       a store URL or option refused, a missing extra (pip install
+       'taskonce[sql]'), no store at that path, the store did not answer
+  {EXIT_BUG:<4} an unexpected error (its traceback on stderr)
+  {EXIT_INTERRUPTED:<4} interrupted (Ctrl-C); relay, which runs until stopped, exits 0
+
+Store keys are QUEUE:ID (e.g. celery:<task id>), or the message id alone with
+identity="id"; inspect/release --queue QUEUE ID build the first form."""
+
+#: How a store key is written, for "no live record" answers.
+KEY_FORM = (
+    "keys are QUEUE:ID (e.g. celery:<task id>; --queue QUEUE ID builds one), or the message "
+    "id alone with identity='id'"
+)
+#: How many similar keys a "no live record" answer suggests.
+SUGGESTIONS = 5
 
 
 def _store_url(args: argparse.Namespace) -> str:
@@ -50,7 +80,12 @@ def _sqlite_file(url: str) -> str | None:
     """The database file of an ``sqlite:///`` URL (None for other stores and in-memory SQLite)."""
     if not url.lower().startswith("sqlite:"):
         return None
-    import sqlalchemy as sa
+    try:
+        import sqlalchemy as sa
+    except ImportError as exc:
+        raise ConfigError(
+            f"store URL {redact(url)!r} needs SQLAlchemy ({exc}): pip install 'taskonce[sql]'"
+        ) from None
 
     database = sa.engine.make_url(url).database or ""
     if database.startswith("file:"):  # an SQLite URI filename: file:path?mode=…
@@ -178,13 +213,45 @@ def _cmd_stats(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _similar_keys(store: Store, key: str) -> list[str]:
+    """Live keys the operator may have meant by ``key``, which has no record: its message id
+    (the text after the last ':') on any queue, or that id alone (identity ``id``)."""
+    message_id = key.rpartition(":")[2] or key
+    try:
+        found = set(store.keys_ending(f":{message_id}", SUGGESTIONS + 1))
+    except NotImplementedError:  # a store that cannot list its records
+        found = set()
+    if message_id != key and store.get(message_id) is not None:
+        found.add(message_id)
+    found.discard(key)
+    return sorted(found)[:SUGGESTIONS]
+
+
+def _not_found(
+    out: TextIO, args: argparse.Namespace, store: Store, key: str, data: Any, human: str
+) -> int:
+    """The answer for a key without a live record: ``human`` (with --json ``data``, the hint
+    then on stderr), how a key is written and the similar live keys; exit status 1."""
+    message_id = key.rpartition(":")[2] or key
+    similar = _similar_keys(store, key)
+    if similar:
+        found = f"live keys ending in ':{message_id}': {', '.join(similar)}"
+    else:
+        found = f"no live key ends in ':{message_id}' either"
+    if args.json:
+        out.write(json.dumps(data, sort_keys=True) + "\n")
+        sys.stderr.write(f"taskonce: {KEY_FORM}\ntaskonce: {found}\n")
+    else:
+        out.write(f"{human}\n{KEY_FORM}\n{found}\n")
+    return EXIT_NOT_FOUND
+
+
 def _cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     key = _key(args)
     with _open_existing(args, read_only=True) as store:
         record = store.get(key)
-    if record is None:
-        _emit(out, args, None, f"no live record for key {key!r}")
-        return 1
+        if record is None:
+            return _not_found(out, args, store, key, None, f"no live record for key {key!r}")
     utc = bool(getattr(args, "utc", False))
     lease = record.lease_remaining
     rows = {
@@ -215,9 +282,12 @@ def _cmd_release(args: argparse.Namespace, out: TextIO) -> int:
     with _open_existing(args, read_only=False) as store:
         existed = store.get(key) is not None
         store.release(key, None)
-        human = f"released {key!r}" if existed else f"nothing recorded for {key!r}"
-        _emit(out, args, {"key": key, "released": existed}, human)
-    return 0
+        data = {"key": key, "released": existed}
+        if not existed:
+            human = f"no live record for key {key!r}: nothing released"
+            return _not_found(out, args, store, key, data, human)
+        _emit(out, args, data, f"released {key!r}")
+    return EXIT_OK
 
 
 def _cmd_purge(args: argparse.Namespace, out: TextIO) -> int:
@@ -293,7 +363,10 @@ def _cmd_relay(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_init_db(args: argparse.Namespace, out: TextIO) -> int:
-    from taskonce.stores.sql import init_db
+    try:
+        from taskonce.stores.sql import init_db
+    except ImportError as exc:  # its message names the sql extra
+        raise ConfigError(str(exc)) from None
 
     _not_for(args, "init-db", "the table holds every queue", "queue")
     _not_for(args, "init-db", "it creates an SQL store's table", "prefix")
@@ -316,14 +389,19 @@ def _cmd_audit(args: argparse.Namespace, out: TextIO) -> int:
     return run(args, out)
 
 
+def _bench_script() -> Path:
+    """bench/store_ops.py of the source checkout this module runs from (a wheel has none)."""
+    return Path(__file__).resolve().parent.parent / "bench" / "store_ops.py"
+
+
 def _cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     import runpy
 
-    script = Path(__file__).resolve().parent.parent / "bench" / "store_ops.py"
-    if not script.exists():
+    script = _bench_script()
+    if not script.is_file():
         raise TaskonceError(
-            "taskonce bench runs bench/store_ops.py of a source checkout (pip install -e .); "
-            f"{script} is not there"
+            "taskonce bench needs a source checkout: it runs bench/store_ops.py of a clone "
+            f"installed with pip install -e . ({script} is not there in this installation)"
         )
     argv = [str(script), *args.bench_args]
     saved, sys.argv = sys.argv, argv
@@ -378,8 +456,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = options(
         argparse.ArgumentParser(
             prog="taskonce",
-            description="Effectively-once Celery tasks and Dramatiq actors: run the demo, "
+            description="Effectively-once Celery tasks and Dramatiq actors: run the demo,\n"
             "inspect and maintain the store.",
+            epilog=EXIT_CODES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
         ),
         suppress=False,
     )
@@ -450,12 +530,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_audit_arguments(audit)
     audit.set_defaults(func=_cmd_audit)
-    bench = sub.add_parser(
-        "bench",
-        help="per-operation store latency against raw Redis/SQL calls (bench/store_ops.py)",
-    )
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of bench/store_ops.py")
-    bench.set_defaults(func=_cmd_bench)
+    if _bench_script().is_file():  # listed only where it can run: a source checkout
+        bench = sub.add_parser(
+            "bench",
+            help="per-operation store latency against raw Redis/SQL calls (bench/store_ops.py)",
+        )
+        bench.add_argument(
+            "bench_args", nargs=argparse.REMAINDER, help="options of bench/store_ops.py"
+        )
+        bench.set_defaults(func=_cmd_bench)
     return parser
 
 
@@ -463,8 +546,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Entry point of the ``taskonce`` console script; returns the exit code."""
     out = out or sys.stdout
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"] and argv[1:2] not in (["-h"], ["--help"]):
-        # bench's options belong to bench/store_ops.py: hand them over untouched
+    if argv[:1] == ["bench"] and (
+        argv[1:2] not in (["-h"], ["--help"]) or not _bench_script().is_file()
+    ):
+        # bench's options belong to bench/store_ops.py: hand them over untouched (without a
+        # checkout, bench is not listed, and says so with or without --help)
         args = argparse.Namespace(command="bench", bench_args=argv[1:], verbose=False)
         args.func = _cmd_bench
     else:
@@ -477,12 +563,20 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return int(args.func(args, out))
     except TaskonceError as exc:
         sys.stderr.write(f"taskonce: error: {exc}\n")
-        return 2
+        return EXIT_ERROR
     except ImportError as exc:
         sys.stderr.write(
             f"taskonce: error: {exc} (install the matching extra, e.g. taskonce[all])\n"
         )
-        return 2
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        sys.stderr.write("taskonce: interrupted\n")
+        return EXIT_INTERRUPTED
+    except Exception:
+        # not one of taskonce's errors: a bug (its traceback), with a status of its own, so
+        # that 1 keeps meaning "no record"
+        traceback.print_exc()
+        return EXIT_BUG
 
 
 if __name__ == "__main__":

@@ -17,7 +17,15 @@ import pytest
 
 import taskonce
 from taskonce.cli import duration_in_words, main
-from tests.helpers import POSTGRES_URL, REDIS_URL, drop_store, require_service, wait_for
+from tests.helpers import (
+    POSTGRES_URL,
+    REDIS_URL,
+    STORE_KINDS,
+    drop_store,
+    make_store,
+    require_service,
+    wait_for,
+)
 
 
 def run(*argv: str) -> tuple[int, str]:
@@ -291,3 +299,181 @@ def test_options_that_do_not_apply_are_refused(
     assert run(*argv)[0] == 2
     assert message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+# -- exit statuses, missing extras, keys without a record, bench outside a checkout -------------
+
+
+def test_a_missing_driver_is_one_line_naming_the_extra_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    monkeypatch.setitem(sys.modules, "psycopg2", None)
+    for command in ("stats", "init-db"):
+        code, text = run(command, "--store", "postgresql://postgres:hunter2@127.0.0.1:1/test")
+        err = capsys.readouterr().err
+        assert (code, text) == (2, "") and err.count("\n") == 1
+        assert err.startswith("taskonce: error: store URL 'postgresql+psycopg://postgres:***@")
+        assert "needs psycopg 3, which is not installed" in err and "hunter2" not in err
+        assert "pip install 'taskonce[sql]' (postgresql:// means postgresql+psycopg://)" in err
+    code, _ = run("stats", "--store", "postgresql+psycopg2://postgres@127.0.0.1:1/test")
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "names the psycopg2 driver, which is not installed" in err
+    assert "write the URL as postgresql+psycopg://user:password@host/db" in err
+
+
+def test_a_missing_redis_extra_is_one_line_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delitem(sys.modules, "taskonce.stores.redis")
+    monkeypatch.setitem(sys.modules, "redis", None)
+    code, _ = run("stats", "--store", "redis://127.0.0.1:1/0")
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("taskonce: error: store URL 'redis://127.0.0.1:1/0': the Redis store")
+    assert err.rstrip().endswith("pip install 'taskonce[redis]'")
+
+
+def test_inspect_and_release_of_a_key_without_a_record_say_the_form_and_suggest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path}/k.db"
+    guard = taskonce.Guard(taskonce.open_store(url))
+    for queue in ("celery", "mail:box"):
+        guard.run("order-B1", queue, lambda: None)
+    guard.run("order-B11", "celery", lambda: None)
+    guard.close()
+    form = (
+        "keys are QUEUE:ID (e.g. celery:<task id>; --queue QUEUE ID builds one), or the message "
+        "id alone with identity='id'"
+    )
+    both = "live keys ending in ':order-B1': celery:order-B1, mail%3Abox:order-B1"
+    code, text = run("inspect", "order-B1", "--store", url)
+    assert code == 1
+    assert text.splitlines() == ["no live record for key 'order-B1'", form, both]
+    # the same message id given on another queue: its queues are suggested
+    code, text = run("inspect", "order-B1", "--queue", "payments", "--store", url)
+    assert code == 1 and text.splitlines()[2].endswith(": celery:order-B1, mail%3Abox:order-B1")
+    # --json keeps its answer (null) on stdout; the hint goes to stderr
+    code, text = run("--json", "inspect", "order-B1", "--store", url)
+    assert (code, text) == (1, "null\n")
+    assert capsys.readouterr().err == f"taskonce: {form}\ntaskonce: {both}\n"
+    # release: the same answer and the same exit status as inspect
+    code, text = run("release", "order-B1", "--store", url)
+    assert code == 1
+    assert text.splitlines() == ["no live record for key 'order-B1': nothing released", form, both]
+    code, text = run("--json", "release", "nothing-like-it", "--store", url)
+    assert code == 1 and json.loads(text) == {"key": "nothing-like-it", "released": False}
+    assert "no live key ends in ':nothing-like-it' either" in capsys.readouterr().err
+    assert run("release", "celery:order-B1", "--store", url)[0] == 0
+    assert taskonce.open_store(url).get("mail%3Abox:order-B1") is not None
+
+
+def test_a_queue_key_of_an_id_only_record_is_suggested_the_id(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/k.db"
+    guard = taskonce.Guard(taskonce.open_store(url), default=taskonce.Policy(identity="id"))
+    guard.run("order-B1", "celery", lambda: None)
+    guard.close()
+    code, text = run("inspect", "celery:order-B1", "--store", url)
+    assert code == 1 and text.splitlines()[2] == "live keys ending in ':order-B1': order-B1"
+
+
+@pytest.mark.parametrize("kind", [*STORE_KINDS, "redis-cluster"])
+def test_keys_ending_finds_a_message_id_on_every_queue(kind: str, tmp_path: Path) -> None:
+    store = make_store(kind, tmp_path)
+    try:
+        for key in ("celery:order-B1", "mail%3Abox:order-B1", "celery:order-B11", "x:a_b%*"):
+            assert store.mark(key, 60, None, None)
+        store.claim("payments:order-B1", "worker-1", 60, 60, None)
+        store.mark("old:order-B1", 0.01, None, None)
+        wait_for(lambda: store.get("old:order-B1") is None, what="the mark to expire")
+        found = store.keys_ending(":order-B1")
+        assert sorted(found) == ["celery:order-B1", "mail%3Abox:order-B1", "payments:order-B1"]
+        assert len(store.keys_ending(":order-B1", limit=2)) == 2
+        # LIKE's and glob's special characters are the text itself
+        assert store.keys_ending(":a_b%*") == ["x:a_b%*"]
+        assert store.keys_ending(":aXbY*") == [] and store.keys_ending("b%") == []
+    finally:
+        drop_store(store)
+
+
+def test_the_redis_store_suggests_keys_in_its_prefix(capsys: pytest.CaptureFixture[str]) -> None:
+    require_service("redis")
+    prefix = f"cli{uuid.uuid4().hex[:8]}"
+    _fill(REDIS_URL, prefix=prefix)
+    try:
+        code, text = run("inspect", "m4", "--store", REDIS_URL, "--prefix", prefix)
+        assert code == 1 and text.splitlines()[2] == "live keys ending in ':m4': mail%3Abox:m4"
+        code, text = run("release", "m1", "--store", REDIS_URL, "--prefix", prefix)
+        assert code == 1 and text.splitlines()[2] == "live keys ending in ':m1': payments:m1"
+    finally:
+        drop_store(taskonce.open_store(REDIS_URL, prefix=prefix))
+
+
+def test_exit_statuses_are_one_rule_in_help_and_docs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "exit status, the same for every command:\n  0    done" in help_text
+    for line in (
+        "  1    not there: inspect/release found no live record for KEY",
+        "  2    could not run as asked, said in one line on stderr",
+        "  70   an unexpected error (its traceback on stderr)",
+        "  130  interrupted (Ctrl-C)",
+    ):
+        assert line in help_text
+    operations = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()
+    table = operations.split("### Exit codes", 1)[1].split("\n#", 1)[0]
+    assert re.findall(r"^\| `(\d+)` \|", table, re.M) == ["0", "1", "2", "70", "130"]
+    # a usage error is argparse's 2
+    with pytest.raises(SystemExit) as done:
+        main(["inspect"])
+    assert done.value.code == 2
+
+
+def test_an_unexpected_error_exits_70_and_ctrl_c_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import taskonce.cli
+
+    def broken(args: object, out: object) -> int:
+        raise RuntimeError("a bug")
+
+    def interrupted(args: object, out: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(taskonce.cli, "_cmd_stats", broken)
+    assert run("stats", "--store", "memory://")[0] == 70
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and err.endswith("RuntimeError: a bug\n")
+    monkeypatch.setattr(taskonce.cli, "_cmd_stats", interrupted)
+    assert run("stats", "--store", "memory://")[0] == 130
+    assert capsys.readouterr().err == "taskonce: interrupted\n"
+
+
+def test_bench_is_hidden_and_says_so_outside_a_source_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import taskonce.cli
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert re.search(r"^    bench ", capsys.readouterr().out, re.M)  # in this checkout
+    missing = tmp_path / "bench" / "store_ops.py"
+    monkeypatch.setattr(taskonce.cli, "_bench_script", lambda: missing)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "bench" not in capsys.readouterr().out
+    for argv in (["bench"], ["bench", "--help"], ["bench", "--stores", "redis"]):
+        code, text = run(*argv)
+        err = capsys.readouterr().err
+        assert (code, text) == (2, "")
+        assert err == (
+            "taskonce: error: taskonce bench needs a source checkout: it runs "
+            "bench/store_ops.py of a clone installed with pip install -e . "
+            f"({missing} is not there in this installation)\n"
+        )

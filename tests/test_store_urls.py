@@ -3,6 +3,7 @@ is a ConfigError naming the option, raised by open_store before any connection."
 
 from __future__ import annotations
 
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -180,3 +181,91 @@ def test_sqlite_uri_options_work_with_a_uri_filename(tmp_path: Path) -> None:
 def test_sql_table_given_twice_differently_is_refused(tmp_path: Path) -> None:
     with pytest.raises(taskonce.ConfigError, match="table is 'a' in the URL but 'b' as an arg"):
         taskonce.open_store(f"sqlite:///{tmp_path}/x.db?table=a", table="b")
+
+
+# -- missing drivers: the extra to install, and the URL form it supports -------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "blocked", "wanted"),
+    [
+        (
+            "postgresql://postgres:hunter2@127.0.0.1:1/test",
+            "psycopg",
+            "needs psycopg 3, which is not installed (import of psycopg halted; None in "
+            "sys.modules): pip install 'taskonce[sql]' (postgresql:// means postgresql+psycopg://)",
+        ),
+        (
+            "postgres://postgres:hunter2@127.0.0.1:1/test",
+            "psycopg",
+            "pip install 'taskonce[sql]' (postgresql:// means postgresql+psycopg://)",
+        ),
+        (
+            "postgresql+psycopg2://postgres:hunter2@127.0.0.1:1/test",
+            "psycopg2",
+            "names the psycopg2 driver, which is not installed (import of psycopg2 halted; None "
+            "in sys.modules); taskonce's sql extra installs psycopg 3: pip install "
+            "'taskonce[sql]' and write the URL as postgresql+psycopg://user:password@host/db",
+        ),
+        (
+            "mariadb://root:hunter2@127.0.0.1:1/test",
+            "pymysql",
+            "needs PyMySQL, which is not installed (import of pymysql halted; None in "
+            "sys.modules): pip install 'taskonce[sql]' (mariadb:// means mariadb+pymysql://)",
+        ),
+        (
+            "mysql+mysqldb://root:hunter2@127.0.0.1:1/test",
+            "MySQLdb",
+            "names the mysqldb driver, which is not installed (import of MySQLdb halted; None in "
+            "sys.modules); taskonce's sql extra installs PyMySQL: pip install 'taskonce[sql]' "
+            "and write the URL as mysql+pymysql://user:password@host/db",
+        ),
+    ],
+)
+def test_a_missing_sql_driver_names_the_extra_and_the_url_form(
+    url: str, blocked: str, wanted: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, blocked, None)  # `import <blocked>` raises ImportError
+    with pytest.raises(taskonce.ConfigError) as caught:
+        taskonce.open_store(url)
+    text = str(caught.value)
+    assert text.startswith("store URL '") and wanted in text
+    assert "hunter2" not in text and ":***@" in text
+
+
+@pytest.mark.parametrize(
+    ("url", "module", "blocked", "wanted"),
+    [
+        (
+            "redis://:hunter2@127.0.0.1:1/0",
+            "taskonce.stores.redis",
+            "redis",
+            "store URL 'redis://:***@127.0.0.1:1/0': the Redis store needs redis-py, which is "
+            "not installed (import of redis halted; None in sys.modules): "
+            "pip install 'taskonce[redis]'",
+        ),
+        (
+            "sqlite:///never.db",
+            "taskonce.stores.sql",
+            "sqlalchemy",
+            "store URL 'sqlite:///never.db': the SQL store needs SQLAlchemy 2 and a driver: "
+            "pip install 'taskonce[sql]'",
+        ),
+    ],
+)
+def test_a_missing_store_extra_is_a_config_error_naming_it(
+    url: str, module: str, blocked: str, wanted: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the store's module imported afresh, without its driver (the original is put back after)
+    monkeypatch.delitem(sys.modules, module)
+    monkeypatch.setitem(sys.modules, blocked, None)
+    with pytest.raises(taskonce.ConfigError) as caught:
+        taskonce.open_store(url)
+    assert str(caught.value) == wanted
+
+
+def test_the_supported_drivers_still_open() -> None:
+    for url in (NOWHERE["postgresql"], NOWHERE["mariadb"], "postgresql://u@127.0.0.1:1/db"):
+        store = taskonce.open_store(url)  # nothing connects yet
+        assert isinstance(store, SQLStore)
+        store.close()

@@ -65,6 +65,9 @@ def open_store(url: str, **options: Any) -> Store:
     The URL's query string takes taskonce's own options (``prefix`` for Redis, ``table`` for
     SQL) and the driver's, passed through; any other name raises :class:`ConfigError` here,
     before anything connects (the options table is in the documentation's stores page).
+    A store whose driver is not installed is a :class:`ConfigError` naming the extra to install
+    (``pip install 'taskonce[redis]'`` / ``'taskonce[sql]'``) and, for a driver the extra does
+    not install (``postgresql+psycopg2://``), the URL form that uses the one it does.
     """
     if not isinstance(url, str) or "://" not in url:
         raise ConfigError(
@@ -76,12 +79,17 @@ def open_store(url: str, **options: Any) -> Store:
     if base == "memory":
         return MemoryStore(**options)
     if base in ("redis", "rediss", "unix"):
-        from taskonce.stores.redis import RedisStore
-
+        try:
+            from taskonce.stores.redis import RedisStore
+        except ImportError as exc:  # its message names the extra
+            raise ConfigError(f"store URL {redact(url)!r}: {exc}") from None
         return RedisStore(url, **options)
     if base in ("sqlite", "postgresql", "postgres", "mysql", "mariadb"):
-        from taskonce.stores.sql import SQLStore
-
+        try:
+            from taskonce.stores.sql import SQLStore
+        except ImportError as exc:  # its message names the extra; a missing driver is
+            # SQLStore's ConfigError, naming the extra and the URL form it supports
+            raise ConfigError(f"store URL {redact(url)!r}: {exc}") from None
         return SQLStore(url, **options)
     raise ConfigError(
         f"unknown store URL scheme {scheme!r} in {redact(url)!r}; "

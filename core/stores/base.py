@@ -245,6 +245,19 @@ class Store(abc.ABC):
         (a scan for the CLI and monitoring, not for hot paths)."""
         raise NotImplementedError(f"{type(self).__name__} cannot list its records")
 
+    def keys_ending(self, suffix: str, limit: int = 5) -> list[str]:
+        """At most ``limit`` keys of live records that end with ``suffix``, in no particular
+        order: the CLI's suggestions when a key has no record (``:<id>`` finds a message id on
+        every queue). A scan like :meth:`records`, not for hot paths; stores override it with
+        one that stops at ``limit``."""
+        found: list[str] = []
+        for record in self.records():
+            if len(found) >= limit:
+                break
+            if record.key.endswith(suffix):
+                found.append(record.key)
+        return found
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release connections; the store is not used afterwards."""

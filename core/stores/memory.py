@@ -7,6 +7,7 @@ and its own lock. Use Redis or SQL wherever more than one process consumes a que
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import threading
 import time
@@ -298,6 +299,16 @@ class MemoryStore(Store):
                 if key.startswith(key_prefix) and entry.expires_at > now
             ]
         return iter(found)
+
+    def keys_ending(self, suffix: str, limit: int = 5) -> list[str]:
+        with self._lock:
+            now = self._clock()
+            found = (
+                key
+                for key, entry in self._entries.items()
+                if key.endswith(suffix) and entry.expires_at > now
+            )
+            return list(itertools.islice(found, max(limit, 0)))
 
     def close(self) -> None:
         with self._lock:

@@ -70,14 +70,21 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar, cast
 from urllib.parse import parse_qsl, urlencode
 
-import redis
-import redis.cluster
-import redis.connection
-import redis.exceptions
-import redis.sentinel
-from redis.backoff import NoBackoff
-from redis.commands.core import Script
-from redis.retry import Retry
+try:
+    import redis
+    import redis.cluster
+    import redis.connection
+    import redis.exceptions
+    import redis.sentinel
+    from redis.backoff import NoBackoff
+    from redis.commands.core import Script
+    from redis.retry import Retry
+except ImportError as _exc:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        f"the Redis store needs redis-py, which is not installed ({_exc}): "
+        "pip install 'taskonce[redis]'",
+        name=_exc.name,
+    ) from _exc
 
 try:  # the redis extra installs it (redis[hiredis]); redis-py works without it
     import hiredis as _hiredis
@@ -1451,6 +1458,22 @@ class RedisStore(Store):
 
         found = self._call("records", None, lambda: [r for b in batches() for r in b])
         return iter(found)
+
+    def keys_ending(self, suffix: str, limit: int = 5) -> list[str]:
+        """At most ``limit`` live keys of this prefix ending with ``suffix``: ``SCAN MATCH``
+        (every master, on a cluster) until ``limit`` names match, then their records' check."""
+        pattern = self._pattern() + _GLOB_SPECIAL.sub(r"\\\1", suffix)
+
+        def find() -> list[str]:
+            names: list[Any] = []
+            for name in self._client.scan_iter(match=pattern, count=1000):
+                names.append(name)
+                if len(names) >= limit:
+                    break
+            records = self._records_of(names, ("st", "ow", "fp", "rs", "ca", "lu"), "")
+            return [record.key for record in records]
+
+        return self._call("keys_ending", None, find)
 
     def _records_of(
         self, names: list[Any], fields: tuple[str, ...], key_prefix: str

@@ -186,11 +186,46 @@ _MANAGED = {
 }
 
 
+#: The driver the ``sql`` extra installs for each dialect family: (driver name, its package).
+_EXTRA_DRIVERS = {"postgresql": ("psycopg", "psycopg 3"), "mysql": ("pymysql", "PyMySQL")}
+
+
+def _require_driver(url: URL, family: str) -> None:
+    """:class:`ConfigError` naming the extra to install (and, for a driver the extra does not
+    install, the URL form that uses the one it does) when ``url``'s driver cannot be
+    imported."""
+    try:
+        url.get_dialect().import_dbapi()
+    except sa_exc.NoSuchModuleError:
+        return  # an unknown driver name: building the engine says so
+    except ImportError as exc:
+        redacted = url.render_as_string(hide_password=True)
+        driver = url.get_driver_name()
+        backend = url.get_backend_name()
+        if family not in _EXTRA_DRIVERS:
+            raise ConfigError(
+                f"store URL {redacted!r} needs the {driver} driver, which is not installed "
+                f"({exc}): pip install 'taskonce[sql]'"
+            ) from None
+        supported, package = _EXTRA_DRIVERS[family]
+        if driver == supported:  # named in the URL, or the default of postgresql:// / mysql://
+            raise ConfigError(
+                f"store URL {redacted!r} needs {package}, which is not installed ({exc}): "
+                f"pip install 'taskonce[sql]' ({backend}:// means {backend}+{supported}://)"
+            ) from None
+        raise ConfigError(
+            f"store URL {redacted!r} names the {driver} driver, which is not installed "
+            f"({exc}); taskonce's sql extra installs {package}: pip install 'taskonce[sql]' "
+            f"and write the URL as {backend}+{supported}://user:password@host/db"
+        ) from None
+
+
 def _driver_options(url: URL, family: str, query: Mapping[str, Any]) -> tuple[str, Any]:
     """Who takes ``url``'s driver options and their names (None when the driver is not one
     taskonce knows, so they pass through unchecked). Found without connecting: libpq's
     keywords from psycopg's ``PQconndefaults``, PyMySQL's ``connect()`` signature, sqlite3's
     ``connect()`` and URI options."""
+    _require_driver(url, family)
     driver = url.get_driver_name()
     if family == "postgresql" and driver in ("psycopg", "psycopg2"):
         try:
@@ -1232,6 +1267,15 @@ class SQLStore(Store):
             result = connection.execute(self._sql.records, {"p_pattern": f"{escaped}%"})
             rows = [_record(row) for row in result]
         return iter(rows)
+
+    def keys_ending(self, suffix: str, limit: int = 5) -> list[str]:
+        """At most ``limit`` live keys ending with ``suffix``: one ``LIKE '%suffix'`` query
+        (a scan of the table, for the CLI, not for hot paths)."""
+        escaped = suffix.replace("/", "//").replace("%", "/%").replace("_", "/_")
+        statement = self._sql.records.limit(limit)
+        with self._connect("keys_ending") as connection:
+            result = connection.execute(statement, {"p_pattern": f"%{escaped}"})
+            return [str(row.key) for row in result]
 
     def close(self) -> None:
         self._engine.dispose()
