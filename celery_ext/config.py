@@ -15,6 +15,9 @@ its settings:
 - ``taskonce_relay_every``: seconds between two sweeps of the worker's hand-off relay, which
   publishes deferred sends left pending by a worker that died after recording an outcome (and
   whose message never comes back, e.g. early acknowledgement); default 30, ``0`` turns it off.
+- ``taskonce_start_timeout``: seconds a starting worker waits for its store to answer before it
+  refuses to start (exit status 78: a store unreachable at start is almost always a wrong
+  URL); default 30.
 """
 
 from __future__ import annotations
@@ -26,14 +29,15 @@ import threading
 import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from celery.signals import worker_init, worker_ready
 
 from taskonce.celery_ext.handoff import install
-from taskonce.errors import ConfigError
+from taskonce.errors import ConfigError, StoreUnavailable
 from taskonce.events import EventSink, JsonlEvents
 from taskonce.guard import Guard
+from taskonce.outage import START_TIMEOUT
 from taskonce.policy import Policy
 from taskonce.stores import Store, open_store
 
@@ -263,22 +267,52 @@ def check_task(task: Any, guard: Guard) -> None:
 EXIT_CONFIG = 78
 
 
+def refuse_start(exc: Exception) -> NoReturn:
+    """Stop a starting worker in one log line, with :data:`EXIT_CONFIG`, before it consumes."""
+    logger.critical("taskonce: %s; the worker does not start", exc)
+    # Celery's signals log and swallow Exceptions; SystemExit is not one, so it ends the
+    # worker before it consumes anything (and Celery's command exits with its code).
+    raise SystemExit(EXIT_CONFIG) from exc
+
+
+def worker_starting(app: Any) -> bool:
+    """Whether ``app`` is being started as a worker (``celery worker`` has begun its start)."""
+    return bool(getattr(getattr(app, "loader", None), "worker_initialized", False))
+
+
+def start_timeout(app: Any) -> float:
+    """The ``taskonce_start_timeout`` setting, checked."""
+    value = app.conf.get("taskonce_start_timeout", START_TIMEOUT)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ConfigError(
+            f"setting taskonce_start_timeout={value!r} is not valid; it must be a number of "
+            "seconds (0: one try)"
+        )
+    return float(value)
+
+
 def _check_at_worker_start(sender: Any = None, **_: Any) -> None:
     """In the worker's main process, before the pool forks: build and check the guard of an
-    app that has guarded tasks, and stop the worker on a configuration error — a task that can
-    never run must not consume (and lose) messages."""
+    app that has guarded tasks and wait a short time for its store; stop the worker on a
+    configuration error or a store that does not answer — a task that can never run must not
+    consume (and lose) messages, and they stay in the broker for a worker with the right URL."""
     app = getattr(sender, "app", None)
     if app is None:
         return
     try:
         if not guarded_tasks(app):
             return
-        check_tasks(app, guard_for(app))
-    except ConfigError as exc:
-        logger.critical("taskonce: %s; the worker does not start", exc)
-        # Celery's signals log and swallow Exceptions; SystemExit is not one, so it ends the
-        # worker before it consumes anything.
-        raise SystemExit(EXIT_CONFIG) from exc
+        timeout = start_timeout(app)
+        guard = guard_for(app)
+        check_tasks(app, guard)
+        guard.wait_for_store(timeout)
+    except (ConfigError, StoreUnavailable) as exc:
+        refuse_start(exc)
 
 
 def _start_relay(sender: Any = None, **_: Any) -> None:

@@ -41,7 +41,14 @@ from celery import Task
 from celery.exceptions import Ignore, Reject
 from celery.signals import task_postrun
 
-from taskonce.celery_ext.config import AppState, app_state, check_task, guard_for
+from taskonce.celery_ext.config import (
+    AppState,
+    app_state,
+    check_task,
+    guard_for,
+    refuse_start,
+    worker_starting,
+)
 from taskonce.celery_ext.handoff import capture_links, restore_links
 from taskonce.celery_ext.routing import QUEUE_HEADER, delivery_queue
 from taskonce.errors import (
@@ -165,16 +172,21 @@ class IdempotentTask(Task):  # type: ignore[misc]
         meet. The :class:`ConfigError` raises out of the app's finalize, so a worker stops at
         start."""
         super().on_bound(app)
-        if cls.idempotency is not None:
-            try:
-                Policy().overridden_by(cls.idempotency)
-            except ConfigError as exc:
-                raise ConfigError(
-                    f"task {cls.name!r}: idempotency={cls.idempotency!r}: {exc}"
-                ) from None
-        guard = app_state(app).guard
-        if guard is not None:
-            check_task(cls, guard)
+        try:
+            if cls.idempotency is not None:
+                try:
+                    Policy().overridden_by(cls.idempotency)
+                except ConfigError as exc:
+                    raise ConfigError(
+                        f"task {cls.name!r}: idempotency={cls.idempotency!r}: {exc}"
+                    ) from None
+            guard = app_state(app).guard
+            if guard is not None:
+                check_task(cls, guard)
+        except ConfigError as exc:
+            if worker_starting(app):  # the same one line and exit status as the start check
+                refuse_start(exc)
+            raise
 
     # -- the guarded call ------------------------------------------------------------------
 
@@ -214,7 +226,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except StoreUnavailable as exc:
             if eager:
                 raise
-            logger.warning(
+            # DEBUG: the guard logs the outage itself, once per change (taskonce.outage).
+            logger.debug(
                 "taskonce: %s[%s] not run, the store is unreachable (fail_closed); delivered "
                 "again in %.1fs: %s",
                 self.name,

@@ -59,9 +59,9 @@ FIELDS = (
     "count",
 )
 
-_WARNING_EVENTS = frozenset(
-    {"lease_lost", "concurrent_duplicate", "payload_mismatch", "store_error"}
-)
+# store_error is not among them: an outage is logged once per change (taskonce.outage), not
+# once per delivery; the event still reaches every sink.
+_WARNING_EVENTS = frozenset({"lease_lost", "concurrent_duplicate", "payload_mismatch"})
 _INFO_EVENTS = frozenset(
     {
         "duplicate_skipped",
@@ -164,8 +164,9 @@ class HeldClaims(Generic[L]):
 
 class LoggingEvents:
     """Logs every event on the ``taskonce.events`` logger: warnings for lease_lost,
-    concurrent_duplicate, payload_mismatch and store_error; info for skips, deferrals,
-    take-overs and purges; debug for the routine claim/complete/mark/release/renew."""
+    concurrent_duplicate and payload_mismatch; info for skips, deferrals, take-overs and purges;
+    debug for the routine claim/complete/mark/release/renew and for store_error (an outage is
+    logged once per change by the guard, :class:`~taskonce.outage.StoreHealth`)."""
 
     @staticmethod
     def wants(name: str) -> bool:

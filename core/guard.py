@@ -34,6 +34,7 @@ from taskonce.events import EventSink, LoggingEvents, make_event, utc_now_iso, w
 from taskonce.handoff import DEFAULT_SEND_LIMIT, Capture, Publisher, Send
 from taskonce.heartbeat import Heartbeat
 from taskonce.keys import fingerprint, make_key
+from taskonce.outage import START_TIMEOUT, StoreHealth, wait_for_store
 from taskonce.policy import Policy
 from taskonce.session import _current
 from taskonce.stores.base import ClaimOutcome, Record, Status, Store
@@ -48,6 +49,9 @@ T = TypeVar("T")
 
 #: A deferred duplicate is delivered again no sooner than this, even if the lease is nearly out.
 MIN_RETRY_AFTER = 0.1
+#: A duplicate of a claim that has just begun comes back after this many seconds; of one that
+#: has run longer, after about as long as it has run (see Guard._decide_existing).
+FIRST_RECHECK = 0.25
 #: Attempts at the final write (complete/mark) when the store blips after the handler ran.
 _FINAL_WRITE_ATTEMPTS = 3
 #: Claims of a key whose dead owner's claim another delivery took over first, before deferring.
@@ -255,7 +259,12 @@ class Guard:
             self._check_store_supports(policy)
         self._heartbeat = Heartbeat()
         identity()  # a bad TASKONCE_WORKER_ID is a ConfigError now, not at the first claim
-        self._liveness = Liveness(store)
+        #: the store's reachability, logged once per change (:class:`~taskonce.outage.StoreHealth`)
+        self.health = StoreHealth(store.describe())
+        self._liveness = Liveness(store, self.health)
+        # A guard dropped without close() stops writing its liveness record: during an outage
+        # the failed write's traceback can keep the Liveness alive past its guard.
+        weakref.finalize(self, self._liveness.stop)
         if isinstance(send_limit, bool) or not isinstance(send_limit, int) or send_limit < 1:
             raise ConfigError(
                 f"Guard(send_limit={send_limit!r}) must be a positive number of bytes"
@@ -569,13 +578,15 @@ class Guard:
                 self._begin_eager(ticket)
             else:
                 self._begin_lazy(ticket)
-        except StoreUnavailable:
+        except StoreUnavailable as exc:
+            self.health.failed(exc)
             self._emit("store_error", ticket)
             if policy.on_store_error == "fail_open":
                 logger.warning("store unreachable; running %s unguarded (fail_open)", key)
                 ticket.decision = Decision.UNGUARDED
                 return ticket
             raise
+        self.health.answered()
         if ticket.decision is Decision.RUN:
             if policy.transactional:
                 self._open_session(ticket)
@@ -700,6 +711,13 @@ class Guard:
         wait = record.lease_remaining
         if recheck_in is not None:
             wait = min(wait, recheck_in)
+        # Most claims end long before their lease or their owner's liveness window: come back
+        # about as long after as the owner has run so far, so a duplicate of an 18 ms run is
+        # settled within a fraction of a second and one of a long run is looked at again at a
+        # doubling interval, never later than the lease or the liveness check would. (After a
+        # renewal the lease tells less of the run: the interval starts short again.)
+        ran = max(0.0, ticket.policy.lease - record.lease_remaining)
+        wait = min(wait, max(ran, FIRST_RECHECK))
         ticket.retry_after = max(wait, MIN_RETRY_AFTER)
         self._emit("in_progress_deferred", ticket)
 
@@ -952,6 +970,14 @@ class Guard:
         """Stop this process's liveness record and close the store."""
         self._liveness.stop()
         self.store.close()
+
+    def wait_for_store(self, timeout: float = START_TIMEOUT) -> None:
+        """Wait up to ``timeout`` seconds for the store to answer one read; adapters call it
+        when a worker starts, where an unreachable store is almost always a wrong URL.
+
+        :raises StoreUnavailable: it did not answer in time (the message says so in one line).
+        """
+        wait_for_store(lambda: self.store.seen(identity_text()), self.store.describe(), timeout)
 
     # -- internals -----------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from taskonce.errors import ConfigError, StoreUnavailable
+from taskonce.outage import StoreHealth
 
 if TYPE_CHECKING:
     from taskonce.stores.base import Store
@@ -172,10 +173,14 @@ class Liveness:
     :data:`SILENCE_STREAK` seconds (:meth:`silence_wait`).
 
     :param store: where the records go.
+    :param health: told of each write's success or failure, so an outage is logged once per
+        change (:class:`~taskonce.outage.StoreHealth`) instead of once per beat; default a
+        health of this liveness's own.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, health: StoreHealth | None = None) -> None:
         self._store = store
+        self.health = health if health is not None else StoreHealth(store.describe())
         self._stopped = threading.Event()
         self._reset()
         ref = weakref.ref(self)
@@ -273,8 +278,10 @@ def _beat_loop(ref: weakref.ReferenceType[Liveness], pid: int) -> None:
             return
         try:
             liveness.beat()
+            liveness.health.answered()
         except StoreUnavailable as exc:
-            logger.warning("could not write the liveness record: %s", exc)
+            logger.debug("could not write the liveness record: %s", exc)
+            liveness.health.failed(exc)
         except Exception:  # the thread must outlive any one failure
             logger.exception("liveness write failed")
         stopped = liveness._stopped

@@ -75,6 +75,7 @@ from taskonce.errors import (
     StoreUnavailable,
 )
 from taskonce.guard import Decision, Delivery, Guard, Ticket
+from taskonce.outage import START_TIMEOUT
 
 if TYPE_CHECKING:
     from dramatiq import Actor, Broker, Worker
@@ -83,6 +84,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger("taskonce.dramatiq")
 
 FRAMEWORK = "dramatiq"
+#: Exit status of a worker process stopped by a configuration error, or by a store that does
+#: not answer at start (``EX_CONFIG`` of sysexits.h, as on Celery); the ``dramatiq`` command's
+#: main process exits with it too.
+EXIT_CONFIG = 78
+
+
+def refuse_start(exc: Exception) -> NoReturn:
+    """End a starting worker process in one log line, with :data:`EXIT_CONFIG`."""
+    logger.critical("taskonce: %s; the worker does not start", exc)
+    # SystemExit is no Exception: Dramatiq's hooks and its worker_process let it through.
+    raise SystemExit(EXIT_CONFIG) from exc
 
 
 class IdempotencyMiddleware(Middleware):
@@ -105,6 +117,9 @@ class IdempotencyMiddleware(Middleware):
     :param relay_every: seconds between two sweeps of each worker process's hand-off relay,
         which enqueues deferred sends left pending by a worker that died after recording an
         outcome; default 30, ``0`` turns it off.
+    :param start_timeout: seconds a worker process started by the ``dramatiq`` command waits
+        for the store to answer before the worker refuses to start (exit status 78: a store
+        unreachable at start is almost always a wrong URL); default 30.
     """
 
     def __init__(
@@ -114,6 +129,7 @@ class IdempotencyMiddleware(Middleware):
         store_error_min_backoff: int = 1000,
         store_error_max_backoff: int = 60_000,
         relay_every: float = 30.0,
+        start_timeout: float = START_TIMEOUT,
     ) -> None:
         if not isinstance(guard, Guard):
             raise ConfigError(
@@ -137,8 +153,21 @@ class IdempotencyMiddleware(Middleware):
                 f"IdempotencyMiddleware relay_every={relay_every!r} must be a number of seconds "
                 "(0 turns the relay off)"
             )
+        if (
+            isinstance(start_timeout, bool)
+            or not isinstance(start_timeout, (int, float))
+            or not 0 <= start_timeout < float("inf")
+        ):
+            raise ConfigError(
+                f"IdempotencyMiddleware start_timeout={start_timeout!r} must be a number of "
+                "seconds (0: one try)"
+            )
         self.guard = guard
         self.relay_every = float(relay_every)
+        self.start_timeout = float(start_timeout)
+        #: set in a worker process of the ``dramatiq`` command (after_process_boot), where a
+        #: configuration error ends the process with EXIT_CONFIG instead of a traceback
+        self._in_cli_worker = False
         #: successful deliveries whose outcome the finisher records, after Pipelines/Callbacks
         self.finishing = TicketBook()
         self.finisher = Finisher(self)
@@ -163,13 +192,28 @@ class IdempotencyMiddleware(Middleware):
         install(broker, self.guard)
         place_finisher(broker, self.finisher)
 
+    def after_process_boot(self, broker: Broker) -> None:
+        """In a worker process of the ``dramatiq`` command, before its actors are imported: wait
+        up to ``start_timeout`` for the store, else end the process with :data:`EXIT_CONFIG`
+        (the main process then stops the others and exits with it); nothing is consumed."""
+        self._in_cli_worker = True
+        try:
+            self.guard.wait_for_store(self.start_timeout)
+        except StoreUnavailable as exc:
+            refuse_start(exc)
+
     def before_declare_actor(self, broker: Broker, actor: Actor[Any, Any]) -> None:
         """Refuse a bad ``idempotency`` option or a wrong middleware order at declaration."""
-        check_order(broker, self)
-        self.attach(broker)
-        wrap_actor(actor)
-        self.policies.forget(actor.actor_name)
-        self.policies.resolve(actor)
+        try:
+            check_order(broker, self)
+            self.attach(broker)
+            wrap_actor(actor)
+            self.policies.forget(actor.actor_name)
+            self.policies.resolve(actor)
+        except ConfigError as exc:
+            if self._in_cli_worker:
+                refuse_start(exc)
+            raise
         self._declared_here.add(actor.actor_name)
 
     def after_declare_actor(self, broker: Broker, actor: Actor[Any, Any]) -> None:
@@ -196,9 +240,14 @@ class IdempotencyMiddleware(Middleware):
         """Refuse to start a worker whose middleware order is wrong or one of whose actors has
         an ``idempotency`` option no policy can take (checked again here: an actor declared
         before the middleware was added is resolved only now)."""
-        check_order(broker, self)
-        for actor in list(broker.actors.values()):
-            self.policies.resolve(actor)
+        try:
+            check_order(broker, self)
+            for actor in list(broker.actors.values()):
+                self.policies.resolve(actor)
+        except ConfigError as exc:
+            if self._in_cli_worker:
+                refuse_start(exc)
+            raise
         self.attach(broker)
 
     def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
@@ -279,7 +328,8 @@ class IdempotencyMiddleware(Middleware):
                 f"store unreachable ({exc}) and the broker refused the redelivery of message "
                 f"{message.message_id!r} ({enqueue_exc}); it was not run"
             ) from enqueue_exc
-        logger.warning(
+        # DEBUG: the guard logs the outage itself, once per change (taskonce.outage).
+        logger.debug(
             "store unreachable; message %s not run (fail_closed), delivered again in %d ms: %s",
             message.message_id,
             delay,

@@ -19,6 +19,7 @@ from taskonce.errors import (
     PayloadMismatch,
 )
 from taskonce.events import FIELDS, read_jsonl
+from taskonce.guard import FIRST_RECHECK
 from taskonce.keys import fingerprint, make_key
 from taskonce.stores import MemoryStore
 from taskonce.worker import LIVENESS_WINDOW
@@ -108,10 +109,11 @@ def test_in_progress_duplicate_is_deferred_by_the_remaining_lease(clock: Clock, 
     guard = make_guard(clock, sink, lease=10)
     running = guard.begin(Delivery("m1", "q"))
     assert running.decision is Decision.RUN
-    clock.now += 4
+    clock.now += 7
     with pytest.raises(InProgressElsewhere) as info:
         guard.execute(Delivery("m1", "q"), Counter())
-    assert info.value.retry_after == pytest.approx(6)  # the lease ends before the liveness
+    # the lease ends before the liveness check and before another 7 s of running
+    assert info.value.retry_after == pytest.approx(3)
     assert "in_progress_deferred" in sink.names()
     guard.finish(running)
     assert guard.execute(Delivery("m1", "q"), Counter()).status == "skipped"
@@ -125,10 +127,10 @@ def test_in_progress_duplicate_comes_back_when_the_owners_liveness_would_lapse(
     guard = make_guard(clock, sink, lease=300)
     running = guard.begin(Delivery("m1", "q"))
     assert running.decision is Decision.RUN
-    clock.now += 5
+    clock.now += 9
     with pytest.raises(InProgressElsewhere) as info:
         guard.execute(Delivery("m1", "q"), Counter())
-    assert info.value.retry_after == pytest.approx(LIVENESS_WINDOW - 5 + 0.5)
+    assert info.value.retry_after == pytest.approx(LIVENESS_WINDOW - 9 + 0.5)
     assert "in_progress_deferred" in sink.names()
     guard.finish(running)
     assert guard.execute(Delivery("m1", "q"), Counter()).status == "skipped"
@@ -185,6 +187,28 @@ def test_long_handler_keeps_its_claim_by_heartbeat(sink: Sink) -> None:
     assert deferred and 0 < deferred[0] <= 0.3
     assert "lease_lost" not in sink.names()
     assert sink.names()[-1] == "completed"
+
+
+def test_a_duplicate_comes_back_about_as_long_after_as_the_owner_has_run(
+    clock: Clock, sink: Sink
+) -> None:
+    """A claim that has just begun most likely ends soon: its duplicate is looked at again
+    after FIRST_RECHECK, then after about as long as the owner has run so far (a doubling
+    interval), up to the owner's liveness check; once the claim is completed it is skipped."""
+    guard = make_guard(clock, sink, lease=300)
+    start = clock.now
+    running = guard.begin(Delivery("m1", "q"))
+    waits = []
+    for ran in (0.0, 0.01, 1.0, 3.0, 9.0):
+        clock.now = start + ran
+        with pytest.raises(InProgressElsewhere) as info:
+            guard.execute(Delivery("m1", "q"), Counter())
+        waits.append(info.value.retry_after)
+    assert waits == pytest.approx(
+        [FIRST_RECHECK, FIRST_RECHECK, 1.0, 3.0, LIVENESS_WINDOW - 9 + 0.5]
+    )
+    guard.finish(running)
+    assert guard.execute(Delivery("m1", "q"), Counter()).status == "skipped"
 
 
 # -- lazy ----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 
 from taskonce import ConfigError, Decision, Delivery, Guard, Policy
 from taskonce.errors import InProgressElsewhere, LeaseLost
+from taskonce.guard import FIRST_RECHECK
 from taskonce.keys import make_key
 from taskonce.stores import ClaimOutcome, MemoryStore
 from taskonce.worker import (
@@ -167,11 +168,11 @@ def test_live_owner_with_the_right_start_time_keeps_its_claim(
     start = process_start(sleeper.pid)
     assert start is not None
     foreign_claim(store, Identity(me.host, me.ns, sleeper.pid, start))
-    clock.now += 4
+    clock.now += 8
     with pytest.raises(InProgressElsewhere) as info:
         guard.run("m1", "q", Counter())
-    # back just after its liveness would lapse, not after the 296 s left on the lease
-    assert info.value.retry_after == pytest.approx(LIVENESS_WINDOW - 4 + 0.5)
+    # back just after its liveness would lapse, not after the 292 s left on the lease
+    assert info.value.retry_after == pytest.approx(LIVENESS_WINDOW - 8 + 0.5)
     assert "lease_taken_over" not in sink.names()
 
 
@@ -192,8 +193,12 @@ def test_other_hosts_owner_is_taken_over_once_its_liveness_lapses(
     foreign_claim(store, "other-host/4026531836/42/777")
     with pytest.raises(InProgressElsewhere) as info:
         guard.run("m1", "q", Counter())
-    assert info.value.retry_after == pytest.approx(LIVENESS_WINDOW + 0.5)
-    clock.now += LIVENESS_WINDOW + 1  # by the store's clock the owner has been silent
+    assert info.value.retry_after == pytest.approx(FIRST_RECHECK)  # the claim has just begun
+    clock.now += 8
+    with pytest.raises(InProgressElsewhere) as info:
+        guard.run("m1", "q", Counter())
+    assert info.value.retry_after == pytest.approx(LIVENESS_WINDOW - 8 + 0.5)
+    clock.now += LIVENESS_WINDOW - 8 + 1  # by the store's clock the owner has been silent
     # this process has itself written without a gap long enough: the silence means death
     monkeypatch.setattr(guard._liveness, "_healthy_since", -1e9)
     store.beat(str(identity()), LIVENESS_WINDOW)
@@ -222,10 +227,10 @@ def test_claim_without_a_worker_identity_waits_for_its_lease(clock: Clock, sink:
     """A claim written without an identity (an older version) is judged by its lease only."""
     guard, store = setup_guard(clock, sink)
     store.claim(KEY, "old-token", 300, 3600, None)
-    clock.now += 100
+    clock.now += 200
     with pytest.raises(InProgressElsewhere) as info:
         guard.run("m1", "q", Counter())
-    assert info.value.retry_after == pytest.approx(200)
+    assert info.value.retry_after == pytest.approx(100)
 
 
 def test_a_dead_owner_is_taken_over_even_with_on_in_progress_skip(clock: Clock, sink: Sink) -> None:

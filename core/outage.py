@@ -1,0 +1,138 @@
+"""A store's reachability, told in the log once per change rather than once per message.
+
+During an outage every delivery and every liveness beat meets the unreachable store. Each of
+them still acts as its policy says (``fail_closed``: the message goes back to the broker), but
+the log says only what changed: the store stopped answering, it is still down (once a minute),
+it answers again (with how long it was down). The per-message lines are at DEBUG.
+
+At a worker's start an unreachable store is almost always a mistake in its URL, not an outage:
+:func:`wait_for_store` lets the adapters give it a short time and then refuse to start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+from taskonce.errors import StoreUnavailable
+
+logger = logging.getLogger("taskonce")
+
+#: Seconds between two "still unreachable" lines of one outage.
+REMIND_EVERY = 60.0
+#: Seconds a worker waits at its start for the store to answer before it refuses to start.
+START_TIMEOUT = 30.0
+#: Seconds between two tries while waiting at start.
+_START_POLL = 1.0
+
+
+class StoreHealth:
+    """Whether the store answered last time, and the log lines of each change.
+
+    :meth:`answered` is on every delivery's path: while the store answers it reads one
+    attribute.
+
+    :param describe: the store as the log shows it (its URL without a password).
+    :param remind_every: seconds between two "still unreachable" lines; default 60.
+    :param clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        describe: str,
+        remind_every: float = REMIND_EVERY,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.describe = describe
+        self.remind_every = remind_every
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.down_since: float | None = None
+        self._reminded_at = 0.0
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _reset_lock(ref))
+
+    def failed(self, exc: BaseException) -> None:
+        """The store did not answer: log it if this starts an outage or a minute has passed."""
+        now = self._clock()
+        with self._lock:
+            if self.down_since is None:
+                self.down_since = self._reminded_at = now
+                logger.warning(
+                    "store %s is unreachable (%s); until it answers, guarded deliveries go "
+                    "back to the broker (on_store_error='fail_closed', the default) or run "
+                    "unguarded ('fail_open')",
+                    self.describe,
+                    exc,
+                )
+            elif now - self._reminded_at >= self.remind_every:
+                self._reminded_at = now
+                logger.warning(
+                    "store %s still unreachable after %.0f s (%s)",
+                    self.describe,
+                    now - self.down_since,
+                    exc,
+                )
+
+    def answered(self) -> None:
+        """The store answered: log the end of an outage, if there was one."""
+        if self.down_since is None:
+            return
+        with self._lock:
+            since, self.down_since = self.down_since, None
+        if since is not None:
+            logger.warning(
+                "store %s answers again after %.1f s", self.describe, self._clock() - since
+            )
+
+
+def _reset_lock(ref: weakref.ReferenceType[StoreHealth]) -> None:
+    health = ref()
+    if health is not None:  # the parent's lock may have been held by a thread gone here
+        health._lock = threading.Lock()
+
+
+def wait_for_store(
+    probe: Callable[[], object],
+    describe: str,
+    timeout: float = START_TIMEOUT,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Call ``probe`` (one round trip to the store) until it answers or ``timeout`` seconds
+    have passed.
+
+    :raises StoreUnavailable: the store did not answer in time; its message names the store,
+        the wait and the last error, and says the URL is the likely cause.
+    """
+    deadline = clock() + timeout
+    told = False
+    while True:
+        try:
+            probe()
+            return
+        except StoreUnavailable as exc:
+            last = exc
+        left = deadline - clock()
+        if left <= 0:
+            break
+        if not told:
+            told = True
+            logger.warning(
+                "store %s does not answer yet; waiting up to %.0f s before giving up (%s)",
+                describe,
+                timeout,
+                last,
+            )
+        sleep(min(_START_POLL, left))
+    raise StoreUnavailable(
+        f"store {describe} could not be reached within {timeout:g} s ({last}): check its URL "
+        "and that the server runs"
+    )
+
+
+__all__ = ["REMIND_EVERY", "START_TIMEOUT", "StoreHealth", "wait_for_store"]
