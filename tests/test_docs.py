@@ -21,12 +21,16 @@ their own, and must clean up what they create there. Shell commands use ``sh``, 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 import re
+import shutil
 import subprocess
 import sys
 import unicodedata
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 from urllib.parse import unquote
 
 import pytest
@@ -269,6 +273,135 @@ def test_snippet_runs(block: Block, tmp_path: Path) -> None:
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{block.id}: still running after {SNIPPET_TIMEOUT}s\n{exc.stderr!r}")
     assert done.returncode == 0, f"{block.id} failed:\n{done.stdout}\n{done.stderr}"
+
+
+# -- the site's API reference ---------------------------------------------------------------
+
+#: A Sphinx role left as it is written (``:func:`x``` shows as ``:func:<code>x</code>``).
+RAW_ROLE = re.compile(
+    r":(?:py:)?(?:func|class|meth|attr|mod|exc|data|obj):(?:`|<code>|\\u003ccode|&lt;code)"
+)
+PACKAGE_FOLDERS = ("celery_ext", "dramatiq_ext", "spark_ext", "demo")
+
+
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site built as the Makefile's docs target builds it, in a temporary tree (links to
+    the repository's files, the link tree of the code under its import names), so the test
+    touches neither site/ nor build/."""
+    pytest.importorskip("mkdocstrings_handlers.python")
+    tree = tmp_path_factory.mktemp("docs-build")
+    for entry in ROOT.iterdir():
+        if entry.name not in {"site", "build", ".git", ".venv", "mkdocs.yml"}:
+            (tree / entry.name).symlink_to(entry)
+    shutil.copy(ROOT / "mkdocs.yml", tree / "mkdocs.yml")  # its paths are relative to it
+    code = tree / "build" / "docs-src" / "taskonce"
+    code.mkdir(parents=True)
+    for path in sorted((ROOT / "core").iterdir()):
+        (code / path.name).symlink_to(path)
+    for folder in PACKAGE_FOLDERS:
+        (code / folder).symlink_to(ROOT / folder)
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet"], cwd=tree,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
+    return tree / "site"
+
+
+def test_the_site_shows_no_raw_sphinx_role(built_site: Path) -> None:
+    """The docstrings' Sphinx roles (``:func:`…```) are rendered, not shown as written: on no
+    page, and not in the search index."""
+    offenders = []
+    for path in sorted(built_site.rglob("*")):
+        if path.suffix not in {".html", ".json", ".xml", ".txt"}:
+            continue
+        text = path.read_text(encoding="utf-8")
+        for match in RAW_ROLE.finditer(text):
+            context = text[max(0, match.start() - 60) : match.end() + 60].replace("\n", " ")
+            offenders.append(f"{path.relative_to(built_site)}: …{context}…")
+    assert not offenders, "\n".join(offenders[:20]) + f"\n({len(offenders)} in all)"
+
+
+def test_the_api_reference_links_its_cross_references(built_site: Path) -> None:
+    """A role becomes a link to the object's entry (a full path, a short name resolved where
+    the docstring is, ``~`` showing the last component); a role whose target the site does not
+    render is code text, not a broken link."""
+    page = (built_site / "reference" / "index.html").read_text(encoding="utf-8")
+
+    def link(anchor: str, text: str) -> re.Pattern[str]:
+        return re.compile(
+            rf'<a class="autorefs autorefs-internal"[^>]* href="#{re.escape(anchor)}">'
+            rf"<code>{re.escape(text)}</code></a>"
+        )
+
+    assert link("taskonce.open_store", "taskonce.open_store").search(page)  # :func:`taskonce.…`
+    assert link("taskonce.Policy", "Policy").search(page)  # :class:`Policy` in Guard
+    assert link("taskonce.Guard.begin", "Guard.begin").search(page)  # :meth:`Guard.begin`
+    assert link("taskonce.JsonlEvents", "JsonlEvents").search(page)  # :class:`~taskonce.…`
+    assert link("taskonce.errors.LeaseLost", "LeaseLost").search(page)  # from taskonce.stores
+    # A private helper (not rendered) and another library's class: code text.
+    assert re.search(r'<span title="[^"]*\._claims"><code>_claims</code></span>', page)
+    assert "<code>sqlalchemy.orm.Session</code>" not in page  # ~ shows the last component
+    assert re.search(r"<code>Session</code>", page)
+    assert "<autoref" not in page
+
+
+def _roles_extension() -> ModuleType:
+    path = ROOT / "griffe_sphinx_roles.py"
+    spec = importlib.util.spec_from_file_location("griffe_sphinx_roles", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_roles_resolve_in_the_scope_of_their_docstring(tmp_path: Path) -> None:
+    """The Griffe extension (griffe_sphinx_roles.py) on a small package: each form of role."""
+    griffe = pytest.importorskip("griffe")
+    roles = _roles_extension()
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        '"""Top: :func:`pkg.mod.helper`, :class:`~pkg.mod.Thing`, :mod:`nowhere`."""\n'
+        "from pkg.mod import Thing\n"
+    )
+    (package / "mod.py").write_text(
+        "from collections import OrderedDict\n\n"
+        "class Base:\n"
+        "    def close(self):\n"
+        '        """Close."""\n\n'
+        "class Thing(Base):\n"
+        '    """:meth:`close` :meth:`Thing.run` :class:`OrderedDict` :class:`!Thing`\n\n'
+        '    :func:`run it <helper>` :class:`Missing` :func:`~.mod.helper` :obj:`os.sep`."""\n\n'
+        "    def run(self):\n"
+        '        """Calls :func:`helper` and :meth:`run`."""\n\n'
+        "def helper():\n"
+        '    """Helps :class:`Thing`."""\n'
+    )
+    loaded = griffe.load(
+        "pkg", search_paths=[tmp_path], extensions=griffe.load_extensions(roles.SphinxRoles())
+    )
+
+    def ref(path: str, text: str) -> str:
+        return f'<autoref identifier="{path}" optional>`{text}`</autoref>'
+
+    assert loaded.docstring.value == (
+        f"Top: {ref('pkg.mod.helper', 'pkg.mod.helper')}, {ref('pkg.mod.Thing', 'Thing')}, "
+        "`nowhere`."
+    )
+    thing = loaded["mod.Thing"]
+    assert thing.docstring.value == (
+        f"{ref('pkg.mod.Base.close', 'close')} {ref('pkg.mod.Thing.run', 'Thing.run')} "
+        f"{ref('collections.OrderedDict', 'OrderedDict')} `Thing`\n\n"
+        f"{ref('pkg.mod.helper', 'run it')} `Missing` {ref('pkg.mod.helper', 'helper')} "
+        f"{ref('os.sep', 'os.sep')}."
+    )
+    assert thing["run"].docstring.value == (
+        f"Calls {ref('pkg.mod.helper', 'helper')} and {ref('pkg.mod.Thing.run', 'run')}."
+    )
+    assert loaded["mod.helper"].docstring.value == f"Helps {ref('pkg.mod.Thing', 'Thing')}."
 
 
 # -- licence -------------------------------------------------------------------------------
