@@ -967,9 +967,16 @@ class Guard:
         return deleted
 
     def close(self) -> None:
-        """Stop this process's liveness record and close the store."""
+        """Stop this guard's threads (liveness record, relay) and close the store."""
         self._liveness.stop()
+        self.stop_relay(timeout=5)
         self.store.close()
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def wait_for_store(self, timeout: float = START_TIMEOUT) -> None:
         """Wait up to ``timeout`` seconds for the store to answer one read; adapters call it

@@ -67,7 +67,7 @@ class StoreHealth:
                     "back to the broker (on_store_error='fail_closed', the default) or run "
                     "unguarded ('fail_open')",
                     self.describe,
-                    exc,
+                    reason(exc),
                 )
             elif now - self._reminded_at >= self.remind_every:
                 self._reminded_at = now
@@ -75,7 +75,7 @@ class StoreHealth:
                     "store %s still unreachable after %.0f s (%s)",
                     self.describe,
                     now - self.down_since,
-                    exc,
+                    reason(exc),
                 )
 
     def answered(self) -> None:
@@ -88,6 +88,15 @@ class StoreHealth:
             logger.warning(
                 "store %s answers again after %.1f s", self.describe, self._clock() - since
             )
+
+
+def reason(exc: BaseException) -> str:
+    """What went wrong, in few words: the driver's error behind a store's StoreUnavailable
+    (``ConnectionError: Error 111 connecting to …``), else the error itself."""
+    cause = exc.__cause__
+    if isinstance(exc, StoreUnavailable) and cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    return str(exc)
 
 
 def _reset_lock(ref: weakref.ReferenceType[StoreHealth]) -> None:
@@ -126,12 +135,12 @@ def wait_for_store(
                 "store %s does not answer yet; waiting up to %.0f s before giving up (%s)",
                 describe,
                 timeout,
-                last,
+                reason(last),
             )
         sleep(min(_START_POLL, left))
     raise StoreUnavailable(
-        f"store {describe} could not be reached within {timeout:g} s ({last}): check its URL "
-        "and that the server runs"
+        f"store {describe} could not be reached within {timeout:g} s ({reason(last)}): check "
+        "its URL and that the server runs"
     )
 
 

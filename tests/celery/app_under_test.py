@@ -5,7 +5,8 @@ prefix (queue names ``{prefix}.eager``, ``.lazy``, ``.tx``, ``.off``, ``.plain``
 ``global_keyprefix``). ``TO_STORE`` / ``TO_STORE_NS``: the taskonce store and its prefix (Redis)
 or table (SQL). ``TO_EVENTS``: JSONL events file. ``TO_PG``: the PostgreSQL URL of the run-count
 tables. ``TO_LEASE``: lease of the guarded queues (``default``: the Policy's). ``TO_VISIBILITY``: Redis visibility timeout.
-``TO_STORE_RETRY_DELAY``: ``taskonce_store_retry_delay``. ``TO_READY``: file written when the
+``TO_STORE_RETRY_DELAY``: ``taskonce_store_retry_delay``. ``TO_START_TIMEOUT``:
+``taskonce_start_timeout``. ``TO_READY``: file written when the
 worker is ready.
 
 Configuration-error switches (each test of them uses its own worker): ``TO_BAD_TASK=1`` declares
@@ -69,6 +70,7 @@ app.conf.update(
     worker_hijack_root_logger=True,
     taskonce_store_retry_delay=float(ENV.get("TO_STORE_RETRY_DELAY", "1")),
     taskonce_relay_every=float(ENV.get("TO_RELAY_EVERY", "30")),
+    taskonce_start_timeout=float(ENV.get("TO_START_TIMEOUT", "30")),
 )
 
 queues: dict[str, Any] = {
@@ -84,7 +86,9 @@ if ENV.get("TO_DLX"):
     from tests.celery.queues import dead_lettered_queue
 
     app.conf.task_queues = [dead_lettered_queue(PREFIX)]
-DEFAULT_POLICY = {"mode": "eager"} if LEASE == "default" else {"mode": "eager", "lease": float(LEASE)}
+DEFAULT_POLICY = (
+    {"mode": "eager"} if LEASE == "default" else {"mode": "eager", "lease": float(LEASE)}
+)
 if ENV.get("TO_BY_SETTINGS"):
     app.conf.update(
         taskonce_store=taskonce.open_store(STORE, **store_options),

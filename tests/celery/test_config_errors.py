@@ -39,7 +39,7 @@ from tests.celery.conftest import (
     worker_env,
 )
 from tests.celery.queues import dead_lettered_queue
-from tests.helpers import wait_for
+from tests.helpers import free_port, wait_for
 
 WANTS_SQL = {"transactional": True}
 
@@ -149,11 +149,13 @@ def test_real_worker_refuses_to_start_with_a_task_that_needs_an_sql_store(
         assert worker.process is not None
         code = worker.process.returncode
         output = worker.log()
-        assert code != 0, output
-        if configured_by == "settings":
-            assert code == EXIT_CONFIG, output
+        # Both ways of configuring end the same: one line and EX_CONFIG (setup() once raised
+        # out of the app's finalize with a traceback and status 1).
+        assert code == EXIT_CONFIG, output
         assert "task 't.wants_sql'" in output
         assert "needs an SQL store" in output
+        assert "the worker does not start" in output
+        assert "Traceback" not in output
         assert not worker.ready_file.exists()
     finally:
         worker.stop()
@@ -214,3 +216,53 @@ def test_real_worker_dead_letters_a_message_that_meets_a_config_error(
     assert "needs an SQL store" in output
     assert "rejected without requeue, not acknowledged" in output
     assert stack.worker.alive()
+
+
+@pytest.mark.parametrize("configured_by", ["setup", "settings"])
+def test_real_worker_refuses_to_start_when_its_store_does_not_answer(
+    tmp_path: Path, runs: Table, configured_by: str
+) -> None:
+    """A wrong port in the store URL: the worker waits taskonce_start_timeout, then exits 78
+    with one line before it consumes anything; the message waiting in the broker runs once a
+    worker with the right URL starts."""
+    prefix = new_prefix()
+    burl = broker_url("redis", MATRIX_DB)
+    surl, namespace = store_url("redis")
+    wrong = f"redis://127.0.0.1:{free_port()}/0"
+    queues = [f"{prefix}.{name}" for name in QUEUE_NAMES]
+    app = publisher(burl, prefix)
+    extra = {"TO_START_TIMEOUT": "2"}
+    if configured_by == "settings":
+        extra["TO_BY_SETTINGS"] = "1"
+    try:
+        sent = app.send_task("t.record", args=(runs.name, "waiting"), queue=f"{prefix}.eager")
+        env = worker_env(prefix, burl, wrong, namespace, tmp_path / "events.jsonl", extra)
+        worker = Worker(tmp_path, env, queues).launch()
+        try:
+            wait_for(lambda: not worker.alive(), timeout=60, what="the worker to refuse to start")
+            assert worker.process is not None
+            output = worker.log()
+            assert worker.process.returncode == EXIT_CONFIG, output
+            refusal = [line for line in output.splitlines() if "does not start" in line]
+            assert len(refusal) == 1, output
+            assert "could not be reached within 2 s" in refusal[0]
+            assert "check its URL" in refusal[0]
+            assert "Connection refused" in refusal[0]
+            assert "Traceback" not in output
+            assert not worker.ready_file.exists()
+        finally:
+            worker.stop()
+        assert runs.count("waiting") == 0
+        right = worker_env(prefix, burl, surl, namespace, tmp_path / "events.jsonl")
+        good = Worker(tmp_path / "right", right, queues)
+        (tmp_path / "right").mkdir()
+        good.start()
+        try:
+            wait_for(lambda: runs.count("waiting") == 1, timeout=30, what="the message to run")
+            assert [row[2] for row in runs.rows("waiting")] == [sent.id]
+        finally:
+            good.stop()
+    finally:
+        clean_broker(app, burl, prefix, queues)
+        app.close()
+        drop_store(surl, namespace)

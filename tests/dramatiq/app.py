@@ -56,6 +56,7 @@ class Config:
     maintenance_chance: int = 1000  # Redis broker: per million commands
     lease: float | None = 3.0  # the default policy's lease (s); None: the Policy's default
     store_error_backoff: int = 200  # ms before a fail_closed delivery is tried again
+    start_timeout: float = 30.0  # s a worker process waits for the store at its start
     wrong_order: bool = False  # add the middleware before Retries (a bad-input test)
     #: declare ``wants_sql`` with idempotency={"transactional": True} (refused on a Redis store)
     bad_actor: bool = False
@@ -251,6 +252,7 @@ def build(config: Config) -> App:
             guard,
             store_error_min_backoff=config.store_error_backoff,
             store_error_max_backoff=config.store_error_backoff * 4,
+            start_timeout=config.start_timeout,
         )
         broker.add_middleware(middleware)
         if config.break_at_run:
@@ -347,7 +349,6 @@ def build(config: Config) -> App:
         @actor(main, idempotency={"transactional": True})
         def wants_sql(table: str) -> None:
             runs.record(table)
-
 
     # -- the hand-off: actors that send, and crashes in the middle of enqueueing -------------
 
