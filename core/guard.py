@@ -37,7 +37,7 @@ from taskonce.keys import fingerprint, make_key
 from taskonce.outage import START_TIMEOUT, StoreHealth, wait_for_store
 from taskonce.policy import Policy
 from taskonce.session import _current
-from taskonce.stores.base import ClaimOutcome, Record, Status, Store
+from taskonce.stores.base import ClaimOutcome, Record, Status, Store, TransactionalStore
 from taskonce.worker import Identity, Liveness, identity, identity_text, owner_gone
 
 if TYPE_CHECKING:
@@ -547,7 +547,7 @@ class Guard:
         return policy
 
     def _check_store_supports(self, policy: Policy) -> None:
-        if policy.transactional and not hasattr(self.store, "open_session"):
+        if policy.transactional and not isinstance(self.store, TransactionalStore):
             raise ConfigError(
                 f"Policy.transactional=True needs an SQL store; {self.store.describe()} has no "
                 "database transaction to share"
@@ -759,9 +759,10 @@ class Guard:
                 owner = ticket.owner
                 if ticket._session is not None:
                     session = ticket._session
+                    store = self._transactional_store()
                     self._final_write(
                         ticket,
-                        lambda: self.store.complete_in(  # type: ignore[attr-defined]
+                        lambda: store.complete_in(
                             session, key, owner, policy.keep_for, encoded, sends, hold
                         ),
                     )
@@ -784,10 +785,11 @@ class Guard:
                 fp = ticket.fingerprint
                 if ticket._session is not None:
                     session = ticket._session
+                    store = self._transactional_store()
                     wrote = bool(
                         self._final_write(
                             ticket,
-                            lambda: self.store.mark_in(  # type: ignore[attr-defined]
+                            lambda: store.mark_in(
                                 session, key, policy.keep_for, fp, encoded, sends, token, hold
                             ),
                         )
@@ -1040,9 +1042,14 @@ class Guard:
             and record.fingerprint == ticket.fingerprint
         )
 
+    def _transactional_store(self) -> TransactionalStore:
+        # Policies with transactional=True are refused for other stores (_check_store_supports).
+        assert isinstance(self.store, TransactionalStore)
+        return self.store
+
     def _open_session(self, ticket: Ticket) -> None:
         try:
-            session: Session = self.store.open_session()  # type: ignore[attr-defined]
+            session: Session = self._transactional_store().open_session()
         except StoreUnavailable:
             self.fail(ticket)
             raise

@@ -25,12 +25,11 @@ from taskonce import handoff
 from taskonce.errors import ConfigError
 from taskonce.guard import OUTBOX_PREFIX, Guard, OutboxRow, publishing_guards
 from taskonce.handoff import Capture
+from taskonce.stores.base import TransactionalStore
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
     from sqlalchemy.orm import Session
-
-    from taskonce.stores.sql import SQLStore
 
 logger = logging.getLogger("taskonce")
 
@@ -46,7 +45,7 @@ class _Outbox:
 
     __slots__ = ("guard", "rows", "store")
 
-    def __init__(self, guard: Guard, store: SQLStore) -> None:
+    def __init__(self, guard: Guard, store: TransactionalStore) -> None:
         self.guard = guard
         self.store = store
         self.rows: list[OutboxRow] = []
@@ -252,17 +251,17 @@ def _guard_for(guard: Guard | None) -> Guard:
     return chosen
 
 
-def _sql_store(guard: Guard) -> SQLStore:
+def _sql_store(guard: Guard) -> TransactionalStore:
     store = guard.store
-    if not hasattr(store, "record_sends_in"):
+    if not isinstance(store, TransactionalStore):
         raise ConfigError(
             f"send_on_commit() needs an SQL store; {store.describe()} has no database "
             "transaction to share with your rows"
         )
-    return store  # type: ignore[return-value]
+    return store
 
 
-def _check_bind(store: SQLStore, target: Session | Connection) -> None:
+def _check_bind(store: TransactionalStore, target: Session | Connection) -> None:
     from sqlalchemy.engine import Connection
     from sqlalchemy.exc import UnboundExecutionError
 

@@ -239,7 +239,10 @@ class _NoLiveness:
     """A guard's liveness writer that writes nothing: the real one creates the store's tables
     from its thread as soon as the guard exists, which would race the missing-table check."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, health: Any = None) -> None:
+        pass
+
+    def stop(self) -> None:
         pass
 
     def ensure(self) -> None:

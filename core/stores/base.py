@@ -19,7 +19,11 @@ import abc
 import dataclasses
 import enum
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection, Engine
+    from sqlalchemy.orm import Session
 
 #: Keys longer than this are refused (an index on a VARCHAR(255) column and readable logs).
 MAX_KEY_LENGTH = 255
@@ -271,3 +275,60 @@ class Store(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class TransactionalStore(Store):
+    """A store that can write its records inside the caller's database transaction: the
+    transactional mode (the mark commits with the handler's writes) and the producer outbox
+    (sends commit with the application's rows). The guard and the outbox check for it with
+    ``isinstance``. Implementations: the SQL store."""
+
+    @abc.abstractmethod
+    def open_session(self) -> Session:
+        """A session on the store's database, its transaction begun: the handler writes through
+        it and :meth:`complete_in` / :meth:`mark_in` add the record; the caller commits."""
+
+    @abc.abstractmethod
+    def complete_in(
+        self,
+        session: Session,
+        key: str,
+        owner: str,
+        keep_for: float,
+        result: str | None,
+        sends: Sequence[str] = (),
+        dispatch_lease: float = 0.0,
+    ) -> None:
+        """:meth:`Store.complete`, written through ``session``'s transaction (not committed)."""
+
+    @abc.abstractmethod
+    def mark_in(
+        self,
+        session: Session,
+        key: str,
+        keep_for: float,
+        fingerprint: str | None,
+        result: str | None,
+        sends: Sequence[str] = (),
+        token: str = "",
+        dispatch_lease: float = 0.0,
+    ) -> bool:
+        """:meth:`Store.mark`, written through ``session``'s transaction (not committed)."""
+
+    @abc.abstractmethod
+    def check_shared(self, bind: Engine | Connection, in_transaction: bool = False) -> None:
+        """:class:`~taskonce.errors.ConfigError` unless ``bind`` reaches this store's
+        database."""
+
+    @abc.abstractmethod
+    def record_sends_in(
+        self,
+        connection: Connection,
+        key: str,
+        sends: Sequence[str],
+        token: str,
+        keep_for: float,
+        dispatch_lease: float,
+    ) -> None:
+        """Write a record ``key`` holding ``sends`` through ``connection``'s transaction (not
+        committed): the producer outbox's rows."""

@@ -75,7 +75,7 @@ from .base import (
     Seen,
     SendLease,
     Status,
-    Store,
+    TransactionalStore,
 )
 from .options import check_names, own_value
 
@@ -728,7 +728,7 @@ def _after_fork_in_child(ref: weakref.ReferenceType[SQLStore]) -> None:
 _INHERITED: list[Any] = []
 
 
-class SQLStore(Store):
+class SQLStore(TransactionalStore):
     """Claims and marks in one SQL table, judged by the database's clock.
 
     :param url: an SQLAlchemy URL: ``postgresql+psycopg://…``, ``mysql+pymysql://…``,
