@@ -41,6 +41,7 @@ from taskonce.spark_ext.semantics import (
     MIN_ADVICE_GAPS,
     NEAR_MISS_RATIO,
     PERCENTILES,
+    RECHECK_EVENT,
     RUN_EVENTS,
     WHAT_IF_FIELDS,
     advise,
@@ -52,6 +53,9 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
 logger = logging.getLogger("taskonce.spark_ext")
+
+#: The event names the audit reads (any other makes its row malformed).
+KNOWN_EVENTS = frozenset({*EVENT_NAMES, RECHECK_EVENT})
 
 #: Up to this many duplicates, percentiles are exact (Spark ``percentile``, linear
 #: interpolation between the closest ranks); above, ``percentile_approx`` with
@@ -211,7 +215,7 @@ def classify(events: DataFrame, keep_for_s: float | None = None) -> DataFrame:
     before = ordered.rowsBetween(Window.unboundedPreceding, -1)
     so_far = ordered.rowsBetween(Window.unboundedPreceding, Window.currentRow)
     valid = (
-        F.col("event").isin(sorted(EVENT_NAMES))
+        F.col("event").isin(sorted(KNOWN_EVENTS))
         & F.col("t_ms").isNotNull()
         & F.col(CORRUPT_COLUMN).isNull()
     )
@@ -307,7 +311,7 @@ def _named(events: DataFrame) -> DataFrame:
     from pyspark.sql import functions as F
 
     valid = (
-        F.col("event").isin(sorted(EVENT_NAMES))
+        F.col("event").isin(sorted(KNOWN_EVENTS))
         & F.col("t_ms").isNotNull()
         & F.col(CORRUPT_COLUMN).isNull()
     )

@@ -33,6 +33,10 @@ DONE_EVENTS = ("completed", "marked")
 ANCHOR_EVENTS = (*RUN_EVENTS, "completed")
 #: A delivery or run that did not end in success or a deliberate skip.
 FAILURE_EVENTS = ("released", "lease_lost", "store_error", "payload_mismatch")
+#: What the input calls an ``in_progress_deferred`` with ``reason: "recheck"``: the guard
+#: deferring again a copy it had deferred before (still in progress elsewhere). Not a delivery,
+#: not a duplicate: a copy deferred five times is one duplicate in flight, not five.
+RECHECK_EVENT = "in_progress_deferred/recheck"
 
 #: The report's per-scope fields, in the public report's order (docs/audit.md).
 METRIC_FIELDS = (
