@@ -79,6 +79,10 @@ def test_concurrent_duplicate_of_a_short_run_is_skipped_soon_after_it_completed(
     assert runs.count("short") == 1
     assert stack.count(task_id, "claimed") == 1
     assert stack.app.AsyncResult(task_id).get(timeout=10) == "short"
+    # the copy came back while the first still ran (0.25 s, then as long as it had run): each
+    # deferral after the first is a re-check of the same copy (header taskonce_deferred)
+    reasons = [e["reason"] for e in stack.events(task_id) if e["event"] == "in_progress_deferred"]
+    assert len(reasons) >= 2 and reasons == [None] + ["recheck"] * (len(reasons) - 1), reasons
 
 
 def test_self_retry_three_runs_one_completion(stack: Stack, runs: Table) -> None:
