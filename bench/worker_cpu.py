@@ -395,6 +395,7 @@ def render(
 
 def main(argv: list[str] | None = None) -> int:
     from bench.chaos.soak import RedisServer
+
     from bench.cpu_meter import StoreMeter
     from bench.docs_section import DOC, write_section
 

@@ -37,9 +37,9 @@ import redis
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.chaos.soak import PG_URL, RedisServer, wait_until  # noqa: E402
 from bench.cpu_meter import StoreMeter, group_cpu  # noqa: E402
 from bench.docs_section import command_lines, write_section  # noqa: E402
+from bench.harness import PG_URL, RedisServer, wait_until  # noqa: E402
 
 PEERS = ("plain", "taskonce", "celery_once", "celery_singleton", "powertools", "handwritten")
 NAMES = {
