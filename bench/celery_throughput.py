@@ -27,8 +27,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import harness as h
 from celery import Celery, signals
-from harness import command_line, drop_keys, loadavg, measured_line, stop_group, table, write_block
 
 import taskonce
 from taskonce.celery_ext import IdempotentTask, setup
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import redis
 
-    load_start, command = loadavg(), command_line("bench/celery_throughput.py", argv)
+    load_start, command = h.loadavg(), h.command_line("bench/celery_throughput.py", argv)
     client = redis.Redis.from_url(BROKER)
     store_client = redis.Redis.from_url(STORE)
     # (pool, kind, store) -> rates; kind "plain" has store None
@@ -171,11 +171,11 @@ def main(argv: list[str] | None = None) -> int:
                         label = kind if kind == "plain" else f"guarded, {_store_label(store)}"
                         print(f"  -c {pool}  {label:<34} {rate:8.0f} tasks/s", flush=True)
             finally:
-                stop_group(worker)
+                h.stop_group(worker)
                 publisher.close()
                 shutil.rmtree(workdir, ignore_errors=True)
-                drop_keys(client, prefix)
-                drop_keys(store_client, prefix)
+                h.drop_keys(client, prefix)
+                h.drop_keys(store_client, prefix)
     client.close()
     store_client.close()
 
@@ -205,14 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         [
             f"{args.messages} messages per round, {args.rounds} rounds of each kind; broker "
             f"`{BROKER}`, store `{STORE}`.",
-            table(header, rows, "rlrlr"),
+            h.table(header, rows, "rlrlr"),
             f"Against the aim (guarded within 15 % of plain, ≥ 0.85×): {'; '.join(verdicts)}.",
-            measured_line(command, load_start),
+            h.measured_line(command, load_start),
         ]
     )
     print(f"\n{text}")
     if not args.no_write:
-        write_block("celery-throughput", text)
+        h.write_block("celery-throughput", text)
     return 0
 
 

@@ -32,9 +32,9 @@ import uuid
 from typing import Any
 
 import dramatiq
+import harness as h
 import redis
 from dramatiq.brokers.redis import RedisBroker
-from harness import command_line, drop_keys, loadavg, measured_line, table, write_block
 
 import taskonce
 from taskonce.dramatiq_ext import IdempotencyMiddleware
@@ -101,9 +101,9 @@ def one_round(
         guard.close()
     elif guard is not None:
         written = int(guard.store.stats()["keys"])
-        drop_keys(guard.store.client, prefix)  # type: ignore[attr-defined]
+        h.drop_keys(guard.store.client, prefix)  # type: ignore[attr-defined]
         guard.close()
-    drop_keys(pipe_client, namespace)
+    h.drop_keys(pipe_client, namespace)
     pipe_client.close()
     broker.close()
     return messages / elapsed, written, cpu / messages * 1e6
@@ -133,7 +133,7 @@ def render(
         [
             f"{args.messages} messages per round, {args.rounds} rounds (median); RedisBroker "
             f"`{args.broker}`, Redis store `{args.store}`; dramatiq {dramatiq.__version__}.",
-            table(header, rows, "rlrlrr"),
+            h.table(header, rows, "rlrlrr"),
             "Against the aim (guarded eager within 15 % of plain, ≥ 0.85×): "
             + "; ".join(verdicts)
             + ".",
@@ -155,14 +155,14 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("dramatiq").setLevel(logging.ERROR)
-    command = command_line("bench/dramatiq_throughput.py")
+    command = h.command_line("bench/dramatiq_throughput.py")
     thread_counts = [int(t) for t in str(args.threads).split(",") if t.strip()]
     variants = ["plain", "guarded eager", "guarded lazy", f"guarded eager{MEMORY}"]
     results: dict[tuple[int, str], list[float]] = {
         (t, v): [] for t in thread_counts for v in variants
     }
     cpus: dict[tuple[int, str], list[float]] = {key: [] for key in results}
-    load_start = loadavg()
+    load_start = h.loadavg()
     for round_no in range(args.rounds):
         for threads in thread_counts:
             for variant in variants if round_no % 2 == 0 else reversed(variants):
@@ -178,10 +178,10 @@ def main() -> int:
                     f"{cpu:6,.0f} µs CPU/msg",
                     flush=True,
                 )
-    section = render(results, cpus, args, measured_line(command, load_start))
+    section = render(results, cpus, args, h.measured_line(command, load_start))
     print(f"\n{section}")
     if not args.no_write:
-        write_block("dramatiq-throughput", section)
+        h.write_block("dramatiq-throughput", section)
     return 0
 
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -27,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -129,6 +130,26 @@ def drop_keys(client: Any, prefix: str) -> None:
     names = list(client.scan_iter(match=f"{prefix}:*", count=1000))
     for i in range(0, len(names), 1000):
         client.delete(*names[i : i + 1000])
+
+
+@contextlib.contextmanager
+def counted_writes() -> Iterator[list[int]]:
+    """``[n]``: writes to any redis-py connection meanwhile, each one round trip whatever it
+    carries (the store sends its scripts down a connection it keeps, not the command path)."""
+    import redis.connection
+
+    cls, count = redis.connection.AbstractConnection, [0]
+    original = cls.send_packed_command
+
+    def counting(self: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(self, command, *args, **kwargs)
+
+    cls.send_packed_command = counting  # type: ignore[method-assign]
+    try:
+        yield count
+    finally:
+        cls.send_packed_command = original  # type: ignore[method-assign]
 
 
 # -- timing -----------------------------------------------------------------------------------

@@ -40,18 +40,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `taskonce bench` runs it by runpy
-from harness import (
-    RedisServer,
-    StoreMeter,
-    command_line,
-    cpu_wall,
-    drop_keys,
-    loadavg,
-    measured_line,
-    med,
-    table,
-    write_block,
-)
+import harness as h
 
 from taskonce.stores import ClaimOutcome, MemoryStore, Store, open_store
 
@@ -121,25 +110,10 @@ def open_memory(_args: argparse.Namespace, _tmp: Path) -> Target:
 
 
 def count_commands(fn: Callable[[str], object], keys: list[str]) -> float:
-    """Commands written to a redis connection per call (the store's scripts go down a
-    connection it keeps, not through the client's command path, so count at the connection)."""
-    import redis.connection
-
-    calls, cls = 0, redis.connection.AbstractConnection
-    original = cls.send_packed_command
-
-    def counting(self: Any, command: Any, *a: Any, **kw: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        return original(self, command, *a, **kw)
-
-    cls.send_packed_command = counting  # type: ignore[method-assign]
-    try:
+    with h.counted_writes() as count:
         for key in keys:
             fn(key)
-    finally:
-        cls.send_packed_command = original  # type: ignore[method-assign]
-    return calls / len(keys)
+    return count[0] / len(keys)
 
 
 def open_redis(args: argparse.Namespace, _tmp: Path) -> Target:
@@ -147,18 +121,12 @@ def open_redis(args: argparse.Namespace, _tmp: Path) -> Target:
     store: Any = open_store(args.redis_url, prefix=prefix)
     client = store.client
     version = f"Redis {client.info('server')['redis_version']}"
-    target = Target(
-        "redis",
-        store,
-        lambda key: client.set(key, "1", nx=True, px=300000),
-        lambda n: [f"{prefix}:raw:{uuid.uuid4()}" for _ in range(n)],
-        "SET NX PX",
-        version,
-        count_commands,
-        prefix,
-        [store.close, lambda: drop_keys(client, prefix)],
+    raw = lambda key: client.set(key, "1", nx=True, px=300000)  # noqa: E731
+    raw_keys = lambda n: [f"{prefix}:raw:{uuid.uuid4()}" for _ in range(n)]  # noqa: E731
+    cleanups = [store.close, lambda: h.drop_keys(client, prefix)]
+    return Target(
+        "redis", store, raw, raw_keys, "SET NX PX", version, count_commands, prefix, cleanups
     )
-    return target
 
 
 def drop_tables(engine: Any, marker: str) -> None:
@@ -249,14 +217,11 @@ def operations(
     def mark(key: str) -> object:
         return store.mark(key, KEEP_FOR, FINGERPRINT, None)
 
+    is_none = lambda r: r is None  # noqa: E731
     return {
         "claim": (None, claim, lambda r: r is ClaimOutcome.CLAIMED),
-        "complete": (
-            claim,
-            lambda k: store.complete(k, OWNER, KEEP_FOR, None),
-            lambda r: r is None,
-        ),
-        "release": (claim, lambda k: store.release(k, OWNER), lambda r: r is None),
+        "complete": (claim, lambda k: store.complete(k, OWNER, KEEP_FOR, None), is_none),
+        "release": (claim, lambda k: store.release(k, OWNER), is_none),
         "mark": (None, mark, lambda r: r is True),
         "duplicate": (mark, lambda k: claim(k, OTHER_OWNER), lambda r: r is ClaimOutcome.EXISTS),
     }
@@ -418,23 +383,23 @@ def measure_pairs(target: Target) -> tuple[list[list[str]], list[str]]:
     batches on the store's client, then the server's share on a redis-server of our own."""
     calls = pair_calls(target.store, target.prefix)
     for _, _, fn, raw in calls.values():  # warm-up
-        cpu_wall(fn, ids(100)), cpu_wall(raw, ids(100))
+        h.cpu_wall(fn, ids(100)), h.cpu_wall(raw, ids(100))
     got: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for round_no in range(PAIR_ROUNDS):
         for mode, (_, _, fn, raw) in calls.items():
             for side, f in [("store", fn), ("raw", raw)][:: -1 if round_no % 2 else 1]:
-                got.setdefault((mode, side), []).append(cpu_wall(f, ids(PAIR_BATCH)))
+                got.setdefault((mode, side), []).append(h.cpu_wall(f, ids(PAIR_BATCH)))
     from taskonce.stores.redis import RedisStore
 
     server: dict[tuple[str, str], tuple[float, float, float, str]] = {}
-    with RedisServer() as redis_server:
+    with h.RedisServer() as redis_server:
         store = RedisStore(redis_server.url, prefix="bench")
-        meter = StoreMeter(store.client, redis_server.pid)
+        meter = h.StoreMeter(store.client, redis_server.pid)
         for mode, (_, _, fn, raw) in pair_calls(store, "bench").items():
             for side, f in (("store", fn), ("raw", raw)):
-                cpu_wall(f, ids(100))
+                h.cpu_wall(f, ids(100))
                 before = meter.read()
-                cpu_wall(f, ids(PAIR_SERVER_CALLS))
+                h.cpu_wall(f, ids(PAIR_SERVER_CALLS))
                 work, n = meter.since(before), PAIR_SERVER_CALLS
                 server[mode, side] = (
                     (work.commands - work.scripts) / n,
@@ -445,8 +410,8 @@ def measure_pairs(target: Target) -> tuple[list[list[str]], list[str]]:
         store.close()
     rows, verdicts = [], []
     for mode, (label, raw_label, _, _) in calls.items():
-        cpu, wall = (med(s[i] for s in got[mode, "store"]) for i in (0, 1))
-        raw_cpu, raw_wall = (med(s[i] for s in got[mode, "raw"]) for i in (0, 1))
+        cpu, wall = (h.med(s[i] for s in got[mode, "store"]) for i in (0, 1))
+        raw_cpu, raw_wall = (h.med(s[i] for s in got[mode, "raw"]) for i in (0, 1))
         ratio = cpu / raw_cpu
         met = "met" if ratio <= PAIR_AIM else "MISSED"
         for side, name, c, w, r, aim in (
@@ -559,7 +524,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    command, load_start = command_line("bench/store_ops.py", argv), loadavg()
+    command, load_start = h.command_line("bench/store_ops.py", argv), h.loadavg()
     rows: list[list[str]] = []
     pair_rows: list[list[str]] = []
     verdicts: list[str] = []
@@ -600,17 +565,17 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"Timed calls per operation: {', '.join(counts)}.",
         "",
-        table(HEADER.split("|"), rows, "llrrrrrrl"),
+        h.table(HEADER.split("|"), rows, "llrrrrrrl"),
         "",
     ]
     if pair_rows:
-        lines += [table(PAIR_HEADER.split("|"), pair_rows, "llrrrrlrrrl"), ""]
+        lines += [h.table(PAIR_HEADER.split("|"), pair_rows, "llrrrrlrrrl"), ""]
     if sizes:
         lines += ["Bytes per key:", "", *(f"- {size}." for size in sizes), ""]
     lines += [
         f"Against the aims: {'; '.join(aims + verdicts)}.",
         "",
-        measured_line(command, load_start, versions),
+        h.measured_line(command, load_start, versions),
     ]
     text = "\n".join(lines)
     print(f"\n{text}")
@@ -618,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nFAILED: {', '.join(failed)}; docs/performance.md left unchanged", file=sys.stderr)
         return 1
     if args.write_docs:
-        write_block("store-ops", text)
+        h.write_block("store-ops", text)
     return 0
 
 

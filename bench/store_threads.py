@@ -19,18 +19,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import harness as h
 import redis
-import redis.connection
-from harness import (
-    command_line,
-    drop_keys,
-    interleaved,
-    loadavg,
-    measured_line,
-    med,
-    table,
-    write_block,
-)
 
 import taskonce
 
@@ -64,17 +54,10 @@ def main() -> int:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/15")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
-    command, load_start = command_line("bench/store_threads.py"), loadavg()
+    command, load_start = h.command_line("bench/store_threads.py"), h.loadavg()
     prefix = f"bench{uuid.uuid4().hex[:8]}"
     store: Any = taskonce.open_store(args.redis_url, prefix=prefix)
     client = store.client
-    sent = [0]  # writes to a connection: each is one round trip
-    cls = redis.connection.AbstractConnection
-    original = cls.send_packed_command
-
-    def counting(self: Any, command: Any, *a: Any, **kw: Any) -> Any:
-        sent[0] += 1
-        return original(self, command, *a, **kw)
 
     def guarded(key: str) -> None:
         store.claim(key, "owner", 300, 600, None)
@@ -90,33 +73,29 @@ def main() -> int:
         trips: list[float] = []
         timed(threads, min(400, args.pairs), guarded)  # warm up: connections, scripts
         timed(threads, min(400, args.pairs), raw)
-        for _, name in interleaved(args.rounds, ["store", "raw"]):
-            before = sent[0]
-            cls.send_packed_command = counting  # type: ignore[method-assign]
-            try:
+        for _, name in h.interleaved(args.rounds, ["store", "raw"]):
+            with h.counted_writes() as sent:
                 got[name].append(timed(threads, args.pairs, guarded if name == "store" else raw))
-            finally:
-                cls.send_packed_command = original  # type: ignore[method-assign]
             if name == "store":
-                trips.append((sent[0] - before) / (args.pairs // threads * threads))
-        rate, cpu = (med(g[i] for g in got["store"]) for i in (0, 1))
-        raw_rate, raw_cpu = (med(g[i] for g in got["raw"]) for i in (0, 1))
+                trips.append(sent[0] / (args.pairs // threads * threads))
+        rate, cpu = (h.med(g[i] for g in got["store"]) for i in (0, 1))
+        raw_rate, raw_cpu = (h.med(g[i] for g in got["raw"]) for i in (0, 1))
         row = [threads, f"{rate:,.0f}", f"{raw_rate:,.0f}", f"{rate / raw_rate:.2f}×"]
-        rows.append([*row, f"{cpu:.0f} µs", f"{raw_cpu:.0f} µs", f"{med(trips):.2f}"])
+        rows.append([*row, f"{cpu:.0f} µs", f"{raw_cpu:.0f} µs", f"{h.med(trips):.2f}"])
         print(f"{threads} threads: {rows[-1]}", flush=True)
-    drop_keys(client, prefix)
+    h.drop_keys(client, prefix)
     store.close()
     header = "threads|store pairs/s|raw pairs/s|throughput vs raw|store CPU/pair|raw CPU/pair|"
     text = "\n\n".join(
         [
             f"{args.pairs} pairs per round, median of {args.rounds} rounds.",
-            table((header + "store round trips/pair").split("|"), rows, "rrrrrrr"),
-            measured_line(command, load_start, [f"redis-py {redis.__version__}"]),
+            h.table((header + "store round trips/pair").split("|"), rows, "rrrrrrr"),
+            h.measured_line(command, load_start, [f"redis-py {redis.__version__}"]),
         ]
     )
     print(f"\n{text}")
     if args.write_docs:
-        write_block("store-threads", text)
+        h.write_block("store-threads", text)
     return 0
 
 

@@ -36,11 +36,12 @@ import redis
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import (  # noqa: E402  # noqa: E402
+from bench.harness import (  # noqa: E402
     PG_URL,
     RedisServer,
     StoreMeter,
     group_cpu,
+    interleaved,
     loadavg,
     measured_line,
     table,
@@ -89,32 +90,15 @@ class Bench:
         ready = self.folder / "ready"
         env = {**os.environ, "PEERS_READY": str(ready), "PYTHONPATH": str(ROOT)}
         with open(self.folder / "worker.log", "ab") as log:
+            argv = [
+                sys.executable, "-m", "celery", "-A", "bench.peers.app", "worker", "-P", "prefork",
+                "-c", "2", "-Q", f"{self.prefix}.q", "--without-gossip", "--without-mingle",
+                "--without-heartbeat", "-l", "WARNING",
+            ]  # fmt: skip
             self.worker = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "bench.peers.app",
-                    "worker",
-                    "-P",
-                    "prefork",
-                    "-c",
-                    "2",
-                    "-Q",
-                    f"{self.prefix}.q",
-                    "--without-gossip",
-                    "--without-mingle",
-                    "--without-heartbeat",
-                    "-l",
-                    "WARNING",
-                ],
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+                argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )
+            )  # fmt: skip
         wait_until(ready.exists, 120, "the worker to be ready")
         import bench.peers.app as app  # configured by the environment set above
 
@@ -433,20 +417,9 @@ def main(argv: list[str] | None = None) -> int:
         speeds: dict[str, list[Speed]] = {p: [] for p in timed}
         for peer in timed:  # warm-up round, not counted
             bench.throughput(peer, min(50, args.messages))
-        for round_no in range(args.rounds):
-            order = timed if round_no % 2 == 0 else list(reversed(timed))
-            for peer in order:
-                speed = bench.throughput(peer, args.messages)
-                speeds[peer].append(speed)
-                print(
-                    f"round {round_no + 1} {NAMES[peer]}: {speed.rate:.0f}/s "
-                    f"(+{speed.wake_s:.2f} s untimed); per message: "
-                    f"worker {speed.worker_us:.0f} µs, producer {speed.producer_us:.0f} µs, "
-                    f"store {speed.store_us:.0f} µs (process {speed.store_cpu_us:.0f} µs), "
-                    f"{speed.commands:.1f} commands, {speed.scripts:.1f} scripts: "
-                    f"{by_command(speed.by_command)}",
-                    flush=True,
-                )
+        for round_no, peer in interleaved(args.rounds, timed):
+            speeds[peer].append(bench.throughput(peer, args.messages))
+            print(f"round {round_no + 1} {NAMES[peer]}: {speeds[peer][-1]}", flush=True)
     finally:
         bench.stop()
     blocks = {}
