@@ -1512,6 +1512,11 @@ class RedisStore(Store):
             self._client.close()  # from_url: auto_close_connection_pool disconnects the pool
         logger.debug("closed %s", self.describe())
 
+    @property
+    def client(self) -> Any:
+        """The store's redis client."""
+        return self._client
+
     def describe(self) -> str:
         """``RedisStore <url without password> prefix=<prefix>``."""
         return f"RedisStore {self._url} prefix={self._prefix}"

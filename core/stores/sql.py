@@ -1282,6 +1282,11 @@ class SQLStore(TransactionalStore):
         if self._tx_engine is not None:
             self._tx_engine.dispose()
 
+    @property
+    def engine(self) -> Any:
+        """The store's SQLAlchemy engine (AUTOCOMMIT)."""
+        return self._engine
+
     def describe(self) -> str:
         return f"SQLStore {self._redacted} (table {self._table_label})"
 
