@@ -542,6 +542,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The extra that installs each optional top-level module.
+_EXTRAS = {
+    "redis": "redis",
+    "sqlalchemy": "sql",
+    "psycopg": "sql",
+    "pymysql": "sql",
+    "celery": "celery",
+    "kombu": "celery",
+    "dramatiq": "dramatiq",
+    "pika": "dramatiq",
+    "pyspark": "spark",
+    "prometheus_client": "prometheus",
+    "opentelemetry": "otel",
+}
+
+
+def _extra_hint(exc: ImportError) -> str:
+    """Which extra installs the module ``exc`` misses (``taskonce[all]`` only when unknown)."""
+    top = (exc.name or "").partition(".")[0]
+    extra = _EXTRAS.get(top)
+    if extra is None:
+        return "install the matching extra, e.g. pip install 'taskonce[all]'"
+    return f"it comes with the {extra!r} extra: pip install 'taskonce[{extra}]'"
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Entry point of the ``taskonce`` console script; returns the exit code."""
     out = out or sys.stdout
@@ -565,9 +590,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         sys.stderr.write(f"taskonce: error: {exc}\n")
         return EXIT_ERROR
     except ImportError as exc:
-        sys.stderr.write(
-            f"taskonce: error: {exc} (install the matching extra, e.g. taskonce[all])\n"
-        )
+        sys.stderr.write(f"taskonce: error: {exc} ({_extra_hint(exc)})\n")
         return EXIT_ERROR
     except KeyboardInterrupt:
         sys.stderr.write("taskonce: interrupted\n")

@@ -3,7 +3,9 @@
 During an outage every delivery and every liveness beat meets the unreachable store. Each of
 them still acts as its policy says (``fail_closed``: the message goes back to the broker), but
 the log says only what changed: the store stopped answering, it is still down (once a minute),
-it answers again (with how long it was down). The per-message lines are at DEBUG.
+it answers again (with how long it was down). The per-message lines are at DEBUG. A store that
+has not answered yet in this process (a wrong URL, most likely) is not called down until a
+minute has passed: at a worker's start, the start check speaks for it in one line.
 
 At a worker's start an unreachable store is almost always a mistake in its URL, not an outage:
 :func:`wait_for_store` lets the adapters give it a short time and then refuse to start.
@@ -52,23 +54,29 @@ class StoreHealth:
         self._clock = clock
         self._lock = threading.Lock()
         self.down_since: float | None = None
+        #: whether the store has answered in this process (before, a failure is no outage)
+        self.ever_answered = False
         self._reminded_at = 0.0
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _reset_lock(ref))
 
     def failed(self, exc: BaseException) -> None:
-        """The store did not answer: log it if this starts an outage or a minute has passed."""
+        """The store did not answer: log it if this starts an outage or a minute has passed.
+        A store that has never answered in this process is not down but not reached yet (a
+        worker's start check says the rest): that is logged at INFO until a minute has passed."""
         now = self._clock()
         with self._lock:
             if self.down_since is None:
                 self.down_since = self._reminded_at = now
-                logger.warning(
-                    "store %s is unreachable (%s); until it answers, guarded deliveries go "
-                    "back to the broker (on_store_error='fail_closed', the default) or run "
-                    "unguarded ('fail_open')",
-                    self.describe,
-                    reason(exc),
-                )
+                if self.ever_answered:
+                    logger.warning(
+                        "store %s stopped answering (%s); guarded deliveries follow "
+                        "on_store_error until it answers",
+                        self.describe,
+                        reason(exc),
+                    )
+                else:
+                    logger.info("store %s does not answer yet (%s)", self.describe, reason(exc))
             elif now - self._reminded_at >= self.remind_every:
                 self._reminded_at = now
                 logger.warning(
@@ -81,12 +89,18 @@ class StoreHealth:
     def answered(self) -> None:
         """The store answered: log the end of an outage, if there was one."""
         if self.down_since is None:
+            self.ever_answered = True
             return
         with self._lock:
             since, self.down_since = self.down_since, None
+            first, self.ever_answered = not self.ever_answered, True
         if since is not None:
-            logger.warning(
-                "store %s answers again after %.1f s", self.describe, self._clock() - since
+            logger.log(
+                logging.INFO if first else logging.WARNING,
+                "store %s answers %s after %.1f s",
+                self.describe,
+                "now" if first else "again",
+                self._clock() - since,
             )
 
 
@@ -95,8 +109,12 @@ def reason(exc: BaseException) -> str:
     (``ConnectionError: Error 111 connecting to …``), else the error itself."""
     cause = exc.__cause__
     if isinstance(exc, StoreUnavailable) and cause is not None:
-        return f"{type(cause).__name__}: {cause}"
-    return str(exc)
+        text = f"{type(cause).__name__}: {cause}"
+    else:
+        text = str(exc)
+    # one line: drivers add hints on lines of their own (SQLAlchemy's "Background on this
+    # error at: …"), which a log line would break apart
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
 
 
 def _reset_lock(ref: weakref.ReferenceType[StoreHealth]) -> None:
@@ -131,7 +149,7 @@ def wait_for_store(
             break
         if not told:
             told = True
-            logger.warning(
+            logger.info(
                 "store %s does not answer yet; waiting up to %.0f s before giving up (%s)",
                 describe,
                 timeout,

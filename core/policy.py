@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -108,8 +109,21 @@ class Policy:
         """A copy with ``changes`` applied; unknown fields raise :class:`ConfigError`."""
         unknown = sorted(set(changes) - FIELDS)
         if unknown:
+            guesses = {
+                name: close[0]
+                for name in unknown
+                if (close := difflib.get_close_matches(str(name), FIELDS, n=1))
+            }
+            if len(unknown) == 1 and guesses:
+                hint = f" (did you mean {next(iter(guesses.values()))!r}?)"
+            elif guesses:
+                pairs = ", ".join(f"{close!r} for {name!r}" for name, close in guesses.items())
+                hint = f" (did you mean {pairs}?)"
+            else:
+                hint = ""
             raise ConfigError(
-                f"unknown Policy field(s) {', '.join(unknown)}; known: {', '.join(sorted(FIELDS))}"
+                f"unknown Policy field(s) {', '.join(map(str, unknown))}{hint}; known: "
+                f"{', '.join(sorted(FIELDS))}"
             )
         return dataclasses.replace(self, **changes)
 

@@ -477,3 +477,22 @@ def test_bench_is_hidden_and_says_so_outside_a_source_checkout(
             "bench/store_ops.py of a clone installed with pip install -e . "
             f"({missing} is not there in this installation)\n"
         )
+
+
+def test_a_missing_optional_module_names_its_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI's last resort for an ImportError names the extra of the module it misses, not
+    taskonce[all] (which pulls in PySpark)."""
+    import taskonce.cli as cli_module
+
+    def missing(*_: object) -> int:
+        raise ModuleNotFoundError("No module named 'sqlalchemy'", name="sqlalchemy")
+
+    monkeypatch.setattr(cli_module, "_cmd_stats", missing)
+    assert cli_module.main(["stats", "--store", "memory://"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "taskonce: error: No module named 'sqlalchemy' (it comes with the 'sql' extra: "
+        "pip install 'taskonce[sql]')\n"
+    )

@@ -391,6 +391,12 @@ def test_bad_policy_values_name_the_field(field: str, value: Any, expected: str)
 def test_unknown_policy_field_and_bad_queue_policy() -> None:
     with pytest.raises(ConfigError, match="unknown Policy field.*leese"):
         Policy().replace(leese=3)
+    with pytest.raises(ConfigError) as info:
+        Policy().overridden_by({"mdoe": "lazy"})
+    assert str(info.value).startswith("unknown Policy field(s) mdoe (did you mean 'mode'?); known:")
+    with pytest.raises(ConfigError) as info:
+        Policy().overridden_by({"mdoe": "lazy", "lesae": 3, "zzz": 1})
+    assert "(did you mean 'lease' for 'lesae', 'mode' for 'mdoe'?)" in str(info.value)
     with pytest.raises(ConfigError, match="policy of queue 'payments': Policy.mode='x'"):
         Guard(MemoryStore(), queues={"payments": {"mode": "x"}})
     with pytest.raises(ConfigError, match="must be a Policy or a dict"):

@@ -60,15 +60,41 @@ def test_an_outage_is_logged_once_per_change(caplog: pytest.LogCaptureFixture) -
             health.answered()
     lines = warnings_of(caplog)
     assert len(lines) == 3, lines
-    assert lines[0].startswith("store redis://db:6390/0 is unreachable (ConnectionError: ")
-    assert "go back to the broker" in lines[0]
+    assert lines[0] == (
+        "store redis://db:6390/0 stopped answering (ConnectionError: Connection refused); "
+        "guarded deliveries follow on_store_error until it answers"
+    )
     assert lines[1] == (
         "store redis://db:6390/0 still unreachable after 65 s (ConnectionError: Connection refused)"
     )
     assert lines[2] == "store redis://db:6390/0 answers again after 67.5 s"
 
 
-def test_a_guard_logs_an_outage_once_however_many_deliveries_meet_it(
+def test_a_store_that_never_answered_is_not_reached_yet_until_a_minute_has_passed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A wrong URL, most likely: no outage warning (a worker's start check speaks for it in
+    one line), an INFO line; a minute later it is an outage like any other."""
+    clock = Clock()
+    health = StoreHealth("redis://db:6390/0", clock=clock)
+    with caplog.at_level(logging.INFO, logger="taskonce"):
+        for _ in range(10):
+            health.failed(down("Error 111\n(Background on this error at: https://…)"))
+        assert warnings_of(caplog) == []
+        assert [r.getMessage() for r in caplog.records] == [
+            "store redis://db:6390/0 does not answer yet (ConnectionError: Error 111)"
+        ]
+        clock.now += 60
+        health.failed(down())
+        clock.now += 5
+        health.answered()
+    assert warnings_of(caplog) == [
+        "store redis://db:6390/0 still unreachable after 60 s (ConnectionError: Connection refused)"
+    ]
+    assert caplog.records[-1].getMessage() == "store redis://db:6390/0 answers now after 65.0 s"
+
+
+def test_a_guard_logs_its_store_once_however_many_deliveries_meet_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     require_service("redis")
@@ -81,9 +107,10 @@ def test_a_guard_logs_an_outage_once_however_many_deliveries_meet_it(
                     guard.begin(Delivery(f"m{n}", "q"))
         finally:
             guard.close()
-    lines = warnings_of(caplog)
+    assert warnings_of(caplog) == []
+    lines = [r.getMessage() for r in caplog.records if r.name == "taskonce"]
     assert len(lines) == 1, lines
-    assert "is unreachable" in lines[0] and "Connection refused" in lines[0]
+    assert "does not answer yet" in lines[0] and "Connection refused" in lines[0]
     # every delivery still emitted its event, at DEBUG
     events = [r for r in caplog.records if r.name == "taskonce.events"]
     assert sum("store_error" in r.getMessage() for r in events) == 20

@@ -248,6 +248,8 @@ def test_real_worker_refuses_to_start_when_its_store_does_not_answer(
             assert "could not be reached within 2 s" in refusal[0]
             assert "check its URL" in refusal[0]
             assert "Connection refused" in refusal[0]
+            # the one line: no outage warning before it (the store never answered)
+            assert "stopped answering" not in output and "unreachable" not in output
             assert "Traceback" not in output
             assert not worker.ready_file.exists()
         finally:
