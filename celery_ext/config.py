@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterable, Mapping
@@ -183,7 +185,26 @@ def setup(app: Any, guard: Guard | None = None) -> Guard:
     :returns: the guard in force.
     :raises ConfigError: an invalid setting, policy or per-task ``idempotency`` option (the
         message names it). Tasks registered later are checked when the app is finalized.
+        Called while ``celery worker`` imports the app, the worker refuses to start instead:
+        one line, exit status :data:`EXIT_CONFIG`.
     """
+    try:
+        return _setup(app, guard)
+    except ConfigError as exc:
+        if worker_starting(app) or _worker_command():
+            refuse_start(exc)
+        raise
+
+
+def _worker_command() -> bool:
+    """Whether this process is the ``celery … worker`` command (which imports the app module
+    before anything else of the worker runs: no signal of Celery's comes earlier)."""
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    command = program == "celery" or sys.argv[0].endswith(os.path.join("celery", "__main__.py"))
+    return command and "worker" in sys.argv[1:]
+
+
+def _setup(app: Any, guard: Guard | None) -> Guard:
     if guard is not None and not isinstance(guard, Guard):
         raise ConfigError(
             f"setup(app, guard): guard must be a taskonce.Guard, not {type(guard).__name__}"

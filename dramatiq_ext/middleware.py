@@ -43,6 +43,9 @@ session is visible in the coroutine too (``tests/dramatiq`` proves both through 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from dramatiq import Middleware
@@ -88,6 +91,17 @@ FRAMEWORK = "dramatiq"
 #: not answer at start (``EX_CONFIG`` of sysexits.h, as on Celery); the ``dramatiq`` command's
 #: main process exits with it too.
 EXIT_CONFIG = 78
+
+
+def in_worker_process() -> bool:
+    """Whether this is a worker process of the ``dramatiq`` command: it imports the broker
+    module, which declares the actors, before any hook of the broker runs."""
+    if multiprocessing.parent_process() is None or not sys.argv:
+        return False
+    program = sys.argv[0]
+    return os.path.basename(program) == "dramatiq" or program.endswith(
+        os.path.join("dramatiq", "__main__.py")
+    )
 
 
 def refuse_start(exc: Exception) -> NoReturn:
@@ -211,7 +225,7 @@ class IdempotencyMiddleware(Middleware):
             self.policies.forget(actor.actor_name)
             self.policies.resolve(actor)
         except ConfigError as exc:
-            if self._in_cli_worker:
+            if self._in_cli_worker or in_worker_process():
                 refuse_start(exc)
             raise
         self._declared_here.add(actor.actor_name)

@@ -14,7 +14,9 @@ Configuration-error switches (each test of them uses its own worker): ``TO_BAD_T
 a Redis store); ``TO_BY_SETTINGS=1`` configures the guard through the ``taskonce_*`` settings
 instead of ``setup()``; ``TO_BREAK_AT_RUN=1`` gives ``t.misconfigured`` that same option in each
 pool process after the start checks passed (a configuration error met at run time);
-``TO_DLX=1`` declares the ``{prefix}.eager`` queue with a dead-letter queue ``{prefix}.dead``.
+``TO_DLX=1`` declares the ``{prefix}.eager`` queue with a dead-letter queue ``{prefix}.dead``;
+``TO_SETTINGS_TYPO=1`` configures through the settings with a misspelt policy field and calls
+``setup(app)`` while the module is imported.
 
 Every task counts its runs in the PostgreSQL table whose name it is given (one row per run,
 committed before the body goes on), so a test reads run counts from the database, not memory.
@@ -89,6 +91,9 @@ if ENV.get("TO_DLX"):
 DEFAULT_POLICY = (
     {"mode": "eager"} if LEASE == "default" else {"mode": "eager", "lease": float(LEASE)}
 )
+if ENV.get("TO_SETTINGS_TYPO"):
+    app.conf.update(taskonce_store=STORE, taskonce_default={"mdoe": "lazy"})
+    setup(app)  # raises while `celery worker` imports this module
 if ENV.get("TO_BY_SETTINGS"):
     app.conf.update(
         taskonce_store=taskonce.open_store(STORE, **store_options),

@@ -218,6 +218,32 @@ def test_real_worker_dead_letters_a_message_that_meets_a_config_error(
     assert stack.worker.alive()
 
 
+def test_real_worker_refuses_to_start_on_a_settings_typo_met_by_setup_at_import(
+    tmp_path: Path,
+) -> None:
+    """setup(app) at module level raises while `celery worker` imports the app: before, the
+    command said it could not import the module, with a traceback, exit 2."""
+    prefix = new_prefix()
+    burl = broker_url("redis", MATRIX_DB)
+    surl, namespace = store_url("redis")
+    env = worker_env(
+        prefix, burl, surl, namespace, tmp_path / "events.jsonl", {"TO_SETTINGS_TYPO": "1"}
+    )
+    worker = Worker(tmp_path, env, [f"{prefix}.{name}" for name in QUEUE_NAMES]).launch()
+    try:
+        wait_for(lambda: not worker.alive(), timeout=60, what="the worker to refuse to start")
+        assert worker.process is not None
+        output = worker.log()
+        assert worker.process.returncode == EXIT_CONFIG, output
+        assert "Traceback" not in output and "Couldn't import" not in output
+        (line,) = [line for line in output.splitlines() if line.strip()]
+        assert "setting taskonce_default: unknown Policy field(s) mdoe" in line
+        assert "did you mean 'mode'?" in line
+        assert line.endswith("the worker does not start")
+    finally:
+        worker.stop()
+
+
 @pytest.mark.parametrize("configured_by", ["setup", "settings"])
 def test_real_worker_refuses_to_start_when_its_store_does_not_answer(
     tmp_path: Path, runs: Table, configured_by: str
