@@ -141,8 +141,8 @@ class RedisStore(Store):
             self._client = client
         self._scripts = Scripts.register(self._client)
         self._cluster = isinstance(self._client, redis.cluster.RedisCluster)
-        self._names = Names(prefix, self._cluster)
         self._trips: SharedTrips | OneTrip = self._open_trips(wanted, socket_timeout)
+        self._names = Names(prefix, self._cluster)  # after _open_trips checked the prefix
         logger.debug("opened %s", self.describe())
 
     def _open_trips(self, wanted: int, socket_timeout: float) -> SharedTrips | OneTrip:
