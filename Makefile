@@ -50,19 +50,19 @@ spark-cluster: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/store_ops.py
 
-# The chaos soak (bench/chaos): the long run of each framework, transactional PostgreSQL store;
+# The chaos soak (tools/soak): the long run of each framework, transactional PostgreSQL store;
 # chaos-all runs every variant. CHAOS_ARGS adds options (e.g. --seconds 600 --messages 10000).
 # The hand-off variant gets 1200 s to drain: its children double the bodies a long run leaves
 # queued (docs/reliability.md).
 chaos: $(STAMP)
-	$(PY) -m bench.chaos.soak --framework celery $(CHAOS_ARGS)
-	$(PY) -m bench.chaos.soak --framework dramatiq $(CHAOS_ARGS)
+	$(PY) -m tools.soak.soak --framework celery $(CHAOS_ARGS)
+	$(PY) -m tools.soak.soak --framework dramatiq $(CHAOS_ARGS)
 
 chaos-all: $(STAMP)
 	status=0; for fw in celery dramatiq; do \
 	  for v in "--store postgresql" "--store postgresql --mode lazy" "--store redis" \
 	           "--store redis --mode lazy" "--store postgresql --handoff --drain-timeout 1200"; do \
-	    $(PY) -m bench.chaos.soak --framework $$fw $$v $(CHAOS_ARGS) || status=1; \
+	    $(PY) -m tools.soak.soak --framework $$fw $$v $(CHAOS_ARGS) || status=1; \
 	  done; \
 	done; exit $$status
 

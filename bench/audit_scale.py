@@ -1,5 +1,5 @@
 """Time the Spark audit at 1M and 10M events on ``local[2]``; record events/second and peak
-memory in docs/performance.md ("## Spark audit").
+memory in docs/performance.md (its block in "Spark audit").
 
 For each size it writes a synthetic log with bench/gen_events.py (kept in ``--workdir`` and
 reused when its parameters match), runs the audit in a child process (a fresh JVM, the
@@ -21,10 +21,8 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
 import shutil
 import subprocess
@@ -34,11 +32,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from docs_section import DOC, write_section  # bench/ is sys.path[0] when run as a script
 from gen_events import TRUTH_FIELDS
+from harness import loadavg, measured_line, table, write_block  # bench/ is sys.path[0]
 
 REPO = Path(__file__).resolve().parents[1]
-SECTION = "## Spark audit"
 DEFAULT_SIZES = "1000000,10000000"
 GENERATOR = [
     "--dup-rate",
@@ -278,10 +275,6 @@ def generate(events: int, workdir: Path) -> tuple[Path, dict[str, Any], float | 
     return path, json.loads(truth_path.read_text()), time.monotonic() - started
 
 
-def _load() -> str:
-    return " ".join(f"{value:.2f}" for value in os.getloadavg())
-
-
 PASS_NAMES = {
     "classify": "classify (read, group by key, keep)",
     "per_key": "per key (keep the rare key rows, stuck claims)",
@@ -293,84 +286,55 @@ PASS_NAMES = {
 }
 
 
-def render(rows: list[dict[str, Any]], args: argparse.Namespace, loads: tuple[str, str]) -> str:
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
-        SECTION,
-        "",
-        "`audit()` over synthetic logs from `bench/gen_events.py` (5% of messages "
-        "delivered twice, gaps log-normal with median 30 s and sigma 2, 1% of the duplicates "
-        "at 3600 s; 1% of runs fail once and are retried; 0.05% of claims never end; one lazy "
-        "queue of four with 0.1% concurrent duplicates; keep_for 1 day), one "
-        f"{'JSONL file' if args.input == 'jsonl' else 'Parquet folder'} per size, on "
-        f"`--master {args.master}` with `--driver-memory {args.driver_memory}`, four what-if "
-        "windows and a broker bound, in a fresh JVM per size. *Floor* is Spark's own floor for "
-        "this job, in the same JVM right after the audit, on the same events: read them, group "
-        "by key (count, first and last time), write Parquet. *Audit* is the sum of the passes "
-        "(`AuditRun` in spark_ext/audit.py: read and group by key, per key, per scope, gaps, "
-        "what-if, report, then writing the Parquet tables, charts and reports). Before the "
-        "audit the floor job runs once untimed, so that the audit and the floor both find the "
-        "JVM warm (its just-in-time compiler, the file in the page cache); that warm-up is the "
-        "last row of the per-pass table. Times are wall seconds and, in brackets, the "
-        "JVM's CPU seconds (user + system, /proc), the steadier figure on a shared machine; "
-        "*ratio* = audit / floor. *Heap peak* is the JVM's peak heap use after the audit (the "
-        "sum of its heap pools' peaks, `MemoryPoolMXBean`: in local mode the Spark driver and "
-        "its executor threads share it); *RSS* is sampled every 0.25 s; the Python driver's "
-        "peak RSS stays flat from 1M to 10M events because only aggregates reach it. *Truth* "
-        "compares the report's deliveries, runs, keys, duplicates, failures, releases, leaks "
-        "and stuck claims with the generator's.",
-        "",
-        "| Events | Input | Floor s | Audit s | Ratio wall (CPU) | Events/s | Heap peak | "
-        "Peak RSS JVM | Peak RSS Python driver | Percentiles | Truth |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['events']:,} | {row['input_mb']:,.0f} MB | {row['floor_s']:.1f} "
-            f"({row['floor_cpu_s']:.1f}) | {row['audit_s']:.1f} ({row['audit_cpu_s']:.1f}) | "
-            f"{row['audit_s'] / row['floor_s']:.1f}× "
-            f"({row['audit_cpu_s'] / row['floor_cpu_s']:.1f}×) | "
-            f"{row['events'] / row['audit_s']:,.0f} | "
-            f"{row['heap_peak_bytes'] / 2**20:,.0f} MB | "
-            f"{row['peak_java_kb'] / 1024:,.0f} MB | {row['python_maxrss_kb'] / 1024:,.0f} MB | "
-            f"{row['percentiles']} | {row['truth']} |"
-        )
-    lines += [
-        "",
-        "Per pass, wall seconds (JVM CPU seconds):",
-        "",
-        "| Pass | " + " | ".join(f"{row['events']:,} events" for row in rows) + " |",
-        "| --- | " + " | ".join("---:" for _ in rows) + " |",
-    ]
-    for name, label in PASS_NAMES.items():
-        cells = [
-            f"{row['passes'][name]['wall_s']:.1f} ({row['passes'][name]['cpu_s']:.1f})"
-            for row in rows
+def render(rows: list[dict[str, Any]], args: argparse.Namespace, load_start: str) -> str:
+    def cpu(wall: float, cpu: float) -> str:
+        return f"{wall:.1f} ({cpu:.1f})"
+
+    main_rows = [
+        [
+            f"{r['events']:,}",
+            f"{r['input_mb']:,.0f} MB",
+            cpu(r["floor_s"], r["floor_cpu_s"]),
+            cpu(r["audit_s"], r["audit_cpu_s"]),
+            f"{r['audit_s'] / r['floor_s']:.1f}× ({r['audit_cpu_s'] / r['floor_cpu_s']:.1f}×)",
+            f"{r['events'] / r['audit_s']:,.0f}",
+            f"{r['heap_peak_bytes'] / 2**20:,.0f} MB",
+            f"{r['peak_java_kb'] / 1024:,.0f} MB",
+            f"{r['python_maxrss_kb'] / 1024:,.0f} MB",
+            r["percentiles"],
+            r["truth"],
         ]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    cells = [f"{row['warmup']['wall_s']:.1f} ({row['warmup']['cpu_s']:.1f})" for row in rows]
-    lines.append(
-        "| *JVM warm-up: the floor job once, before the audit* | " + " | ".join(cells) + " |"
-    )
-    lines += [
-        "",
-        "Command:",
-        "",
-        "```sh",
-        ".venv/bin/python bench/audit_scale.py "
-        + (f"--sizes {args.sizes} " if args.sizes != DEFAULT_SIZES else "")
-        + (f"--input {args.input} " if args.input != "jsonl" else "")
-        + "--write-docs",
-        "```",
-        "",
-        f"Measured {when} on nproc {os.cpu_count()} ({platform.processor() or 'x86_64'}), "
-        f"Python {platform.python_version()}, Java {_java()}, PySpark {_pyspark()}; load "
-        f"average (1/5/15 min) {loads[0]} at the start, {loads[1]} at the end"
-        + (f"; {args.note}" if args.note else "")
-        + ".",
-        "",
+        for r in rows
     ]
-    return "\n".join(lines)
+    pass_rows = [
+        [label, *(cpu(r["passes"][name]["wall_s"], r["passes"][name]["cpu_s"]) for r in rows)]
+        for name, label in PASS_NAMES.items()
+    ]
+    warmups = (cpu(r["warmup"]["wall_s"], r["warmup"]["cpu_s"]) for r in rows)
+    pass_rows.append(["*JVM warm-up: the floor job once, before the audit*", *warmups])
+    header = "Events|Input|Floor s|Audit s|Ratio wall (CPU)|Events/s|Heap peak|Peak RSS JVM|"
+    header += "Peak RSS Python driver|Percentiles|Truth"
+    flags = (f"--sizes {args.sizes} " if args.sizes != DEFAULT_SIZES else "") + (
+        f"--input {args.input} " if args.input != "jsonl" else ""
+    )
+    versions = [f"Java {_java()}", f"PySpark {_pyspark()}"] + ([args.note] if args.note else [])
+    form = "JSONL file" if args.input == "jsonl" else "Parquet folder"
+    return "\n\n".join(
+        [
+            f"One {form} per size, on `--master {args.master}` with `--driver-memory "
+            f"{args.driver_memory}`.",
+            table(header.split("|"), main_rows, "rrrrrrrrrll"),
+            "Per pass, wall seconds (JVM CPU seconds):",
+            table(
+                ["Pass", *(f"{r['events']:,} events" for r in rows)],
+                pass_rows,
+                "l" + "r" * len(rows),
+            ),
+            measured_line(
+                f".venv/bin/python bench/audit_scale.py {flags}--write-docs", load_start, versions
+            ),
+        ]
+    )
 
 
 def _java() -> str:
@@ -410,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--driver-memory", default="2g")
-    parser.add_argument("--write-docs", action="store_true", help=f"rewrite '{SECTION}'")
+    parser.add_argument(
+        "--write-docs", action="store_true", help="write the block in docs/performance.md"
+    )
     parser.add_argument("--note", default="", help="a remark on the load, for the docs")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--events-file", help=argparse.SUPPRESS)
@@ -421,13 +387,13 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     rows = []
-    load_start = _load()
+    load_start = loadavg()
     for size in [int(s) for s in args.sizes.split(",")]:
         path, truth, generated_s = generate(size, workdir)
         if generated_s is not None:
             print(f"generated {truth['events']:,} events in {generated_s:.1f} s")
         out = workdir / f"out-{size}"
-        print(f"auditing {truth['events']:,} events (load {_load()}) …", flush=True)
+        print(f"auditing {truth['events']:,} events (load {loadavg()}) …", flush=True)
         data = measure(args, path, out)
         if data.get("convert_s") is not None:
             print(f"wrote the Parquet copy in {data['convert_s']:.1f} s")
@@ -458,16 +424,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         shutil.rmtree(out, ignore_errors=True)
         if args.write_docs:  # after each size: a later size that fails keeps the earlier ones
-            write_section(render(rows, args, (load_start, _load())))
+            write_block("spark-audit", render(rows, args, load_start))
         if not args.keep_logs:  # a 10M-event log takes 3 GB
             path.unlink(missing_ok=True)
             path.with_suffix(".truth.json").unlink(missing_ok=True)
             shutil.rmtree(path.with_suffix(".parquet"), ignore_errors=True)
-    section = render(rows, args, (load_start, _load()))
-    print()
-    print(section)
-    if args.write_docs:
-        print(f"rewrote '{SECTION}' in {DOC}")
+    print(f"\n{render(rows, args, load_start)}")
     return 0 if all(row["truth"] == "matches" for row in rows) else 1
 
 

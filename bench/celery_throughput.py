@@ -5,7 +5,7 @@ guarded task on a Redis store. Each round fills a queue with N messages while th
 is not consuming it, then tells the worker to consume it (``add_consumer``) and times
 until the broker holds no queued and no unacknowledged message. Plain and guarded rounds
 alternate in the same run; the table gives the median of each and their ratio, and is
-written to docs/performance.md under "## Celery throughput".
+written to its block of docs/performance.md (unless ``--no-write``).
 
     .venv/bin/python bench/celery_throughput.py [--messages 3000] [--rounds 3]
         [--concurrency 2,4] [--diagnose] [--no-write]
@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -29,14 +27,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import harness as h
 from celery import Celery, signals
-from docs_section import DOC, write_section  # bench/ is sys.path[0] when run as a script
 
 import taskonce
 from taskonce.celery_ext import IdempotentTask, setup
 
 ROOT = Path(__file__).resolve().parents[1]
-HEADING = "## Celery throughput"
 BROKER = os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/4")
 STORE = os.environ.get("BENCH_STORE", "redis://127.0.0.1:6379/15")
 PREFIX = os.environ.get("BENCH_PREFIX", "bench")
@@ -106,19 +103,6 @@ def _start_worker(
     return worker
 
 
-def _stop_worker(worker: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(worker.pid, signal.SIGTERM)
-        worker.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    try:
-        os.killpg(worker.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    worker.wait(timeout=10)
-
-
 def _round(publisher: Celery, client: Any, prefix: str, kind: str, messages: int) -> float:
     """Fill a fresh queue, let the worker drain it; messages per second."""
     queue = f"{prefix}.{kind}.{uuid.uuid4().hex[:6]}"
@@ -159,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import redis
 
-    load_before = os.getloadavg()
+    load_start, command = h.loadavg(), h.command_line("bench/celery_throughput.py", argv)
     client = redis.Redis.from_url(BROKER)
     store_client = redis.Redis.from_url(STORE)
     # (pool, kind, store) -> rates; kind "plain" has store None
@@ -187,21 +171,15 @@ def main(argv: list[str] | None = None) -> int:
                         label = kind if kind == "plain" else f"guarded, {_store_label(store)}"
                         print(f"  -c {pool}  {label:<34} {rate:8.0f} tasks/s", flush=True)
             finally:
-                _stop_worker(worker)
+                h.stop_group(worker)
                 publisher.close()
                 shutil.rmtree(workdir, ignore_errors=True)
-                for target in (client, store_client):
-                    keys = list(target.scan_iter(match=f"{prefix}:*", count=1000))
-                    if keys:
-                        target.delete(*keys)
+                h.drop_keys(client, prefix)
+                h.drop_keys(store_client, prefix)
     client.close()
     store_client.close()
-    load_after = os.getloadavg()
 
-    rows = [
-        "| pool | task | tasks/s (median) | all rounds | vs plain |",
-        "| ---: | --- | ---: | --- | ---: |",
-    ]
+    rows = []
     verdicts = []
     for pool in pools:
         plain_rate = statistics.median(results[(pool, "plain", None)])
@@ -213,10 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                 if key[2] is None
                 else f"`IdempotentTask` (eager, {_store_label(key[2])})"
             )
-            rows.append(
-                f"| {pool} | {name} | {rate:,.0f} | {', '.join(f'{r:,.0f}' for r in rates)} | "
-                f"{rate / plain_rate:.2f}× |"
-            )
+            rounds = ", ".join(f"{r:,.0f}" for r in rates)
+            rows.append([pool, name, f"{rate:,.0f}", rounds, f"{rate / plain_rate:.2f}×"])
         guarded_rate = statistics.median(results[(pool, "guarded", STORE)])
         ratio = guarded_rate / plain_rate
         cost_ms = (1 / guarded_rate - 1 / plain_rate) * 1000
@@ -224,51 +200,19 @@ def main(argv: list[str] | None = None) -> int:
             f"-c {pool}: {ratio:.2f}× ({'met' if ratio >= 0.85 else 'missed'}; the guard adds "
             f"{cost_ms:.2f} ms of worker time per message)"
         )
-    table = "\n".join(rows)
-    command = "python bench/celery_throughput.py " + " ".join(
+    header = "pool|task|tasks/s (median)|all rounds|vs plain".split("|")
+    text = "\n\n".join(
         [
-            f"--messages {args.messages}",
-            f"--rounds {args.rounds}",
-            f"--concurrency {args.concurrency}",
+            f"{args.messages} messages per round, {args.rounds} rounds of each kind; broker "
+            f"`{BROKER}`, store `{STORE}`.",
+            h.table(header, rows, "rlrlr"),
+            f"Against the aim (guarded within 15 % of plain, ≥ 0.85×): {'; '.join(verdicts)}.",
+            h.measured_line(command, load_start),
         ]
-        + (["--diagnose"] if args.diagnose else [])
     )
-    load = (
-        f"load average {' '.join(f'{x:.2f}' for x in load_before)} at the start, "
-        f"{' '.join(f'{x:.2f}' for x in load_after)} at the end"
-    )
-    text = f"""A no-op task through a real `celery worker -P prefork -c N`
-(`acks_late=True`, results off) on a Redis broker (`{BROKER}`); the guarded task on the
-Redis store (`{STORE}`, same local Redis server). {args.messages} messages per round,
-{args.rounds} rounds of each kind, plain and guarded rounds alternating in one run with
-one worker per pool size. Each round fills a fresh queue while the worker is not consuming
-it, then `add_consumer`s it and times until the broker holds no queued and no
-unacknowledged message. The guarded task costs two store round trips per message (claim,
-complete) in the pool process, plus the guard's own Python work (key, fingerprint, two
-events, heartbeat bookkeeping); the *memory store* row, where present, is that Python
-work alone with no round trip.
-
-{table}
-
-Against the aim (guarded within 15 % of plain, ≥ 0.85×): {"; ".join(verdicts)}.
-A task that does real work pays the same absolute cost per message, so its ratio is closer
-to 1. Where the memory-store row is near 1.00× the guard's own Python work is not what costs:
-the gap is the two synchronous store round trips each pool process makes per message
-(redis-py client CPU, the Lua script on the server, and the context switches when the broker,
-the worker's main process and the benchmark share the same few CPUs).
-{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPUs,
-{platform.system()} {platform.release()}; {load}.
-
-```sh
-{command}
-```"""
-    print()
-    print(table)
-    print("\n" + "; ".join(verdicts))
-    print(f"command: {command}")
+    print(f"\n{text}")
     if not args.no_write:
-        write_section(f"{HEADING}\n\n{text.strip()}\n")
-        print(f"written to {DOC.relative_to(ROOT)} ({HEADING!r})")
+        h.write_block("celery-throughput", text)
     return 0
 
 

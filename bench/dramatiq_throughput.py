@@ -13,8 +13,8 @@ round so machine noise hits all of them alike:
 - ``guarded eager, memory store``: the guard on an in-process ``MemoryStore`` — no round
   trip at all, so it isolates the Python cost of the guard and the middleware.
 
-The table (median of ``--rounds``) is printed and written to ``docs/performance.md`` under
-"## Dramatiq throughput" (only that section is replaced).
+The table (median of ``--rounds``) is printed and, unless ``--no-write``, written to its block
+of ``docs/performance.md``.
 
     .venv/bin/python bench/dramatiq_throughput.py [--messages 3000] [--rounds 3] [--threads 2,8]
 """
@@ -24,26 +24,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import platform
-import shlex
 import statistics
 import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import dramatiq
+import harness as h
 import redis
-from docs_section import DOC, command_lines, write_section  # bench/ is on sys.path
 from dramatiq.brokers.redis import RedisBroker
 
 import taskonce
 from taskonce.dramatiq_ext import IdempotencyMiddleware
 
-ROOT = Path(__file__).resolve().parents[1]
-HEADING = "## Dramatiq throughput"
 MEMORY = ", memory store"
 
 
@@ -106,14 +101,9 @@ def one_round(
         guard.close()
     elif guard is not None:
         written = int(guard.store.stats()["keys"])
-        store_client = redis.Redis.from_url(store_url)
-        keys = list(store_client.scan_iter(match=f"{prefix}:*", count=1000))
-        for batch in range(0, len(keys), 1000):
-            store_client.delete(*keys[batch : batch + 1000])
-        store_client.close()
+        h.drop_keys(guard.store.client, prefix)  # type: ignore[attr-defined]
         guard.close()
-    for key in pipe_client.scan_iter(match=f"{namespace}:*", count=1000):
-        pipe_client.delete(key)
+    h.drop_keys(pipe_client, namespace)
     pipe_client.close()
     broker.close()
     return messages / elapsed, written, cpu / messages * 1e6
@@ -123,64 +113,33 @@ def render(
     results: dict[tuple[int, str], list[float]],
     cpus: dict[tuple[int, str], list[float]],
     args: argparse.Namespace,
-    command: str,
-    load: tuple[str, str],
+    measured: str,
 ) -> str:
-    thread_counts = sorted({threads for threads, _ in results})
-    lines = [
-        HEADING,
-        "",
-        f"No-op actor, {args.messages} messages per round, {args.rounds} rounds (median); one "
-        "in-process `dramatiq.Worker` per round, all messages enqueued before it starts, timed "
-        f"until the last one is acknowledged. RedisBroker `{args.broker}`, Redis store "
-        f"`{args.store}` (prefix per round) on the same local Redis server; rounds of all "
-        "variants interleaved. "
-        f"Python {platform.python_version()}, dramatiq {dramatiq.__version__}, "
-        f"{os.cpu_count()} CPUs ({platform.machine()}); load average {load[0]} at the start, "
-        f"{load[1]} at the end.",
-        "",
-        "| worker threads | variant | msg/s (median) | all rounds | vs plain | CPU µs/msg |",
-        "| ---: | --- | ---: | --- | ---: | ---: |",
-    ]
-    verdicts = []
-    for threads in thread_counts:
+    rows, verdicts = [], []
+    for (threads, variant), values in sorted(results.items(), key=lambda item: item[0][0]):
         plain = statistics.median(results[(threads, "plain")])
-        for (t, variant), values in results.items():
-            if t != threads:
-                continue
-            median = statistics.median(values)
-            rounds = ", ".join(f"{v:,.0f}" for v in values)
-            cpu = statistics.median(cpus[(t, variant)])
-            lines.append(
-                f"| {threads} | {variant} | {median:,.0f} | {rounds} | {median / plain:.2f}× "
-                f"| {cpu:,.0f} |"
+        median = statistics.median(values)
+        rounds = ", ".join(f"{v:,.0f}" for v in values)
+        cpu = statistics.median(cpus[(threads, variant)])
+        rows.append([threads, variant, f"{median:,.0f}", rounds, f"{median / plain:.2f}×"])
+        rows[-1].append(f"{cpu:,.0f}")
+        if variant == "guarded eager":
+            ratio = median / plain
+            verdicts.append(
+                f"{threads} threads {ratio:.2f}× ({'met' if ratio >= 0.85 else 'missed'})"
             )
-            if variant == "guarded eager":
-                ratio = median / plain
-                verdicts.append(
-                    f"{threads} threads {ratio:.2f}× ({'met' if ratio >= 0.85 else 'missed'})"
-                )
-    lines += [
-        "",
-        "Against the aim (guarded eager within 15 % of plain, ≥ 0.85×): "
-        + "; ".join(verdicts)
-        + ". *CPU µs/msg* is the worker process's user + system time per message while it "
-        "ran. The guard runs two store scripts per message (eager: claim + complete; lazy: "
-        "get + mark); the Redis store sends those of concurrent worker threads as shared "
-        "round trips (see Redis store under threads), so with 8 threads it makes fewer than "
-        "two round trips per message. It also does its own Python work (key, payload "
-        "fingerprint, lease-heartbeat bookkeeping, the middleware's hooks): the *memory "
-        "store* row is that work alone, with no round trip at all — the most any store "
-        "could reach. With few worker threads Dramatiq's Redis consumer is bound by its "
-        "prefetch and polling, not by CPU, and the guard's cost hides in the waits; with 8 "
-        "threads the process is CPU-bound, and a plain no-op message costs only one ack "
-        "round trip plus Dramatiq's own work, so the guard's added CPU per message is a large "
-        "fraction of it. An actor that does real work pays the same absolute cost per "
-        "message.",
-        "",
-        *command_lines(command),
-    ]
-    return "\n".join(lines)
+    header = "worker threads|variant|msg/s (median)|all rounds|vs plain|CPU µs/msg".split("|")
+    return "\n\n".join(
+        [
+            f"{args.messages} messages per round, {args.rounds} rounds (median); RedisBroker "
+            f"`{args.broker}`, Redis store `{args.store}`; dramatiq {dramatiq.__version__}.",
+            h.table(header, rows, "rlrlrr"),
+            "Against the aim (guarded eager within 15 % of plain, ≥ 0.85×): "
+            + "; ".join(verdicts)
+            + ".",
+            measured,
+        ]
+    )
 
 
 def main() -> int:
@@ -196,14 +155,14 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("dramatiq").setLevel(logging.ERROR)
-    command = shlex.join([".venv/bin/python", "bench/dramatiq_throughput.py", *sys.argv[1:]])
+    command = h.command_line("bench/dramatiq_throughput.py")
     thread_counts = [int(t) for t in str(args.threads).split(",") if t.strip()]
     variants = ["plain", "guarded eager", "guarded lazy", f"guarded eager{MEMORY}"]
     results: dict[tuple[int, str], list[float]] = {
         (t, v): [] for t in thread_counts for v in variants
     }
     cpus: dict[tuple[int, str], list[float]] = {key: [] for key in results}
-    load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    load_start = h.loadavg()
     for round_no in range(args.rounds):
         for threads in thread_counts:
             for variant in variants if round_no % 2 == 0 else reversed(variants):
@@ -219,13 +178,10 @@ def main() -> int:
                     f"{cpu:6,.0f} µs CPU/msg",
                     flush=True,
                 )
-    load_end = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    section = render(results, cpus, args, command, (load_start, load_end))
-    print()
-    print(section)
+    section = render(results, cpus, args, h.measured_line(command, load_start))
+    print(f"\n{section}")
     if not args.no_write:
-        write_section(section)
-        print(f"written to {DOC.relative_to(ROOT)}")
+        h.write_block("dramatiq-throughput", section)
     return 0
 
 

@@ -1,19 +1,16 @@
 """What a user would write by hand instead of taskonce: the benchmarks' yardstick, not a library.
 
-A Dramatiq middleware and a Celery base class that each do one ``SET key running NX PX lease``
-before the body (a duplicate is skipped when the key exists) and one ``SET key done PX
-keep_for`` after it (``DEL`` when the body raised, so a retry can run). No fencing token, no
-worker identity (a dead owner's key blocks its redeliveries until the lease runs out), no
-payload check, no events, no hand-off: the floor that the guard's extra promises are measured
-against (``bench/worker_cpu.py``, ``bench/peers/compare.py``).
-
-Both key on ``(queue, message id)`` like taskonce's default identity.
+A Celery base class that does one ``SET key running NX PX lease`` before the body (a duplicate
+is skipped when the key exists) and one ``SET key done PX keep_for`` after it (``DEL`` when the
+body raised, so a retry can run). No fencing token, no worker identity (a dead owner's key
+blocks its redeliveries until the lease runs out), no payload check, no events, no hand-off:
+the floor that the guard's extra promises are measured against (``bench/peers/compare.py``).
+It keys on ``(queue, message id)`` like taskonce's default identity.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
 import redis
@@ -35,45 +32,6 @@ class _Clients:
             self._client = redis.Redis.from_url(self.url)
             self._pid = os.getpid()
         return self._client
-
-
-# -- Dramatiq ---------------------------------------------------------------------------------
-
-
-def dramatiq_middleware(url: str, prefix: str = "hand") -> Any:
-    """A ``dramatiq.Middleware`` instance doing SET NX PX before, SET PX after (built here so
-    that importing this module does not need Dramatiq)."""
-    import dramatiq
-    from dramatiq.middleware import SkipMessage
-
-    clients = _Clients(url)
-
-    class HandwrittenOnce(dramatiq.Middleware):  # type: ignore[misc]
-        def __init__(self) -> None:
-            self.local = threading.local()
-
-        def before_process_message(self, broker: Any, message: Any) -> None:
-            key = f"{prefix}:{message.queue_name}:{message.message_id}"
-            if not clients.get().set(key, "running", nx=True, px=LEASE_MS):
-                raise SkipMessage(f"{key} already handled or running")
-            self.local.key = key
-
-        def after_process_message(
-            self, broker: Any, message: Any, *, result: Any = None, exception: Any = None
-        ) -> None:
-            key = getattr(self.local, "key", None)
-            if key is None:
-                return
-            self.local.key = None
-            if exception is None:
-                clients.get().set(key, "done", px=KEEP_MS)
-            else:
-                clients.get().delete(key)
-
-    return HandwrittenOnce()
-
-
-# -- Celery -----------------------------------------------------------------------------------
 
 
 def celery_base(url: str, prefix: str = "hand") -> type[Any]:

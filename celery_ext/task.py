@@ -65,6 +65,10 @@ from taskonce.policy import Policy
 
 logger = logging.getLogger("taskonce.celery")
 
+#: The header counting the guard's deferrals of a message (a copy published again because
+#: another worker held its key): the audit counts a re-deferred copy as one duplicate.
+DEFERRED_HEADER = "taskonce_deferred"
+
 ACKS_LATE_WARNING = (
     "taskonce: guarded task %s runs without acks_late=True. Its message is acknowledged "
     "before the body runs, so a worker that dies mid-task loses the message and taskonce has "
@@ -213,6 +217,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 framework="celery",
                 attempt=int(request.retries or 0),
                 redelivered=_redelivered(request),
+                deferred=_deferred(request),
                 override=self._policy(state, guard, queue, request),
             )
             ticket = guard.begin(delivery, args, kwargs)
@@ -251,7 +256,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if eager:
                 assert ticket.key is not None
                 raise InProgressElsewhere(ticket.key, ticket.retry_after)
-            self._deliver_later(request, args, kwargs, queue, ticket.retry_after)
+            self._deliver_later(
+                request,
+                args,
+                kwargs,
+                queue,
+                ticket.retry_after,
+                deferred=ticket.delivery.deferred + 1,
+            )
         if decision is Decision.UNGUARDED:
             return super().__call__(*args, **kwargs)
 
@@ -360,7 +372,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 assert ticket.key is not None
                 raise InProgressElsewhere(ticket.key, ticket.retry_after)
             restore_links(request, links)
-            self._deliver_later(request, args, kwargs, queue, ticket.retry_after)
+            self._deliver_later(
+                request,
+                args,
+                kwargs,
+                queue,
+                ticket.retry_after,
+                deferred=ticket.delivery.deferred + 1,
+            )
 
     def _refuse_misconfigured(self, request: Any, exc: ConfigError, eager: bool) -> NoReturn:
         """A configuration error met at run time (one that slipped past the start checks): the
@@ -417,12 +436,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         kwargs: dict[str, Any],
         queue: str,
         delay: float,
+        deferred: int = 0,
     ) -> NoReturn:
         """Publish this message again (same id, same ``retries``, same links and chain) to
-        ``queue`` after ``delay`` seconds, then acknowledge this delivery with ``Ignore``."""
-        signature = self.signature_from_request(
-            request, args, kwargs, queue=queue, countdown=max(delay, 0.0)
-        )
+        ``queue`` after ``delay`` seconds, then acknowledge this delivery with ``Ignore``.
+        ``deferred``: the guard's deferrals of it so far, carried in :data:`DEFERRED_HEADER`."""
+        options: dict[str, Any] = {"queue": queue, "countdown": max(delay, 0.0)}
+        if deferred:
+            headers = request.headers if isinstance(request.headers, Mapping) else {}
+            options["headers"] = {**headers, DEFERRED_HEADER: deferred}
+        signature = self.signature_from_request(request, args, kwargs, **options)
         try:
             with send_now():  # the same message again, never a deferred send
                 signature.apply_async()
@@ -568,6 +591,15 @@ def _hard_time_limit(task: Any, request: Any) -> float | None:
     if isinstance(hard, bool) or not isinstance(hard, (int, float)) or hard <= 0:
         return None
     return float(hard)
+
+
+def _deferred(request: Any) -> int:
+    """How many times the guard deferred this copy before (:data:`DEFERRED_HEADER`): Celery
+    puts a message's own headers on the request, or in ``request.headers``."""
+    value = getattr(request, DEFERRED_HEADER, None)
+    if value is None and isinstance(request.headers, Mapping):
+        value = request.headers.get(DEFERRED_HEADER)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _redelivered(request: Any) -> bool | None:

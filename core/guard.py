@@ -160,6 +160,9 @@ class Delivery:
     :param attempt: retries so far (0 on the first attempt).
     :param redelivered: the broker's redelivery flag, when it gives one.
     :param override: a per-task Policy or dict of fields, applied over the queue's policy.
+    :param deferred: how many times the guard deferred this copy before (the adapters count it
+        on the copy they publish again): deferring it again is a re-check, not another
+        duplicate, and its ``in_progress_deferred`` event says ``reason: "recheck"``.
     """
 
     message_id: str
@@ -169,6 +172,7 @@ class Delivery:
     attempt: int = 0
     redelivered: bool | None = None
     override: Policy | Mapping[str, Any] | None = None
+    deferred: int = 0
 
 
 @dataclasses.dataclass
@@ -513,7 +517,7 @@ class Guard:
             return True  # published meanwhile
         ticket.decision = Decision.DEFER
         ticket.retry_after = max(retry_after, MIN_RETRY_AFTER)
-        self._emit("in_progress_deferred", ticket)
+        self._emit("in_progress_deferred", ticket, reason=_recheck(ticket))
         return False
 
     # -- policies ------------------------------------------------------------------------
@@ -719,7 +723,7 @@ class Guard:
         ran = max(0.0, ticket.policy.lease - record.lease_remaining)
         wait = min(wait, max(ran, FIRST_RECHECK))
         ticket.retry_after = max(wait, MIN_RETRY_AFTER)
-        self._emit("in_progress_deferred", ticket)
+        self._emit("in_progress_deferred", ticket, reason=_recheck(ticket))
 
     def finish(self, ticket: Ticket, result: Any = None) -> None:
         """Record a successful run: complete the claim (eager) or write the mark (lazy); in
@@ -882,7 +886,7 @@ class Guard:
             return
         ticket.decision = Decision.DEFER  # an eager claim of the same key, still running
         ticket.retry_after = max(record.lease_remaining, MIN_RETRY_AFTER)
-        self._emit("in_progress_deferred", ticket, duration=True)
+        self._emit("in_progress_deferred", ticket, duration=True, reason=_recheck(ticket))
 
     def fail(self, ticket: Ticket, exc: BaseException | None = None) -> None:
         """Undo after the handler raised (including framework retries): roll back the
@@ -1135,6 +1139,12 @@ def _after_fork_in_child(ref: weakref.ReferenceType[Guard]) -> None:
     if guard is not None:
         guard._relay_lock = threading.Lock()
         guard._relay_thread = None
+
+
+def _recheck(ticket: Ticket) -> str | None:
+    """``"recheck"`` when the delivery is a copy the guard deferred before: the audit counts
+    a copy deferred again and again as one duplicate, not one per deferral."""
+    return "recheck" if ticket.delivery.deferred > 0 else None
 
 
 def _reset(var: contextvars.ContextVar[Any], token: contextvars.Token[Any]) -> None:

@@ -64,7 +64,7 @@ from taskonce.dramatiq_ext.handoff import (
 )
 from taskonce.dramatiq_ext.options import ActorPolicies
 from taskonce.dramatiq_ext.order import check_order
-from taskonce.dramatiq_ext.redelivery import Redelivery
+from taskonce.dramatiq_ext.redelivery import Redelivery, deferrals
 from taskonce.dramatiq_ext.results import keep_first_result
 from taskonce.dramatiq_ext.tickets import TicketBook
 from taskonce.errors import (
@@ -275,6 +275,7 @@ class IdempotencyMiddleware(Middleware):
                 attempt=int(msg.options.get("retries", 0)),
                 redelivered=_redelivered(message),
                 override=policy,
+                deferred=deferrals(msg.options),
             )
             ticket = self.guard.begin(delivery, msg.args, msg.kwargs)
         except StoreUnavailable as exc:  # on_store_error="fail_closed"

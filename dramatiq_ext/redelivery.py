@@ -23,6 +23,15 @@ if TYPE_CHECKING:
 
 #: The message option counting consecutive store-unavailable redeliveries of one message.
 STORE_ERRORS_OPTION = "taskonce_store_errors"
+#: The message option counting the guard's deferrals of one message (in progress elsewhere):
+#: the audit counts a re-deferred copy as one duplicate.
+DEFERRED_OPTION = "taskonce_deferred"
+
+
+def deferrals(options: dict[str, object]) -> int:
+    """How many times the guard deferred this copy before (:data:`DEFERRED_OPTION`)."""
+    value = options.get(DEFERRED_OPTION, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 class Redelivery:
@@ -41,7 +50,7 @@ class Redelivery:
         """Enqueue ``message`` again, ``retry_after`` seconds from now (the remaining lease of
         the owner processing it). Returns the delay in milliseconds."""
         delay = max(1, math.ceil(retry_after * 1000))
-        self._enqueue(broker, message, delay, {})
+        self._enqueue(broker, message, delay, {DEFERRED_OPTION: deferrals(message.options) + 1})
         return delay
 
     def after_store_error(self, broker: Broker, message: MessageProxy) -> int:
@@ -60,7 +69,8 @@ class Redelivery:
         # options (see results.keep_first_result) do not reach it. The broker assigns the
         # copy's eta (and, on Redis, a new redis_message_id); message_id stays the same.
         copy = message.copy(queue_name=q_name(message.queue_name), options=options)
-        if STORE_ERRORS_OPTION not in options:
-            copy.options.pop(STORE_ERRORS_OPTION, None)
+        for counter in (STORE_ERRORS_OPTION, DEFERRED_OPTION):
+            if counter not in options:  # each counts consecutive redeliveries of its kind
+                copy.options.pop(counter, None)
         with send_now():  # the same message again, never a deferred send of another handler
             broker.enqueue(copy, delay=delay)

@@ -35,12 +35,17 @@ from taskonce.spark_ext.semantics import (
     DELIVERY_EVENTS,
     DONE_EVENTS,
     FAILURE_EVENTS,
+    FRAMEWORK_BROKERS,
     GAP_BUCKETS,
     METRIC_FIELDS,
+    MIN_ADVICE_GAPS,
     NEAR_MISS_RATIO,
     PERCENTILES,
+    RECHECK_EVENT,
     RUN_EVENTS,
     WHAT_IF_FIELDS,
+    advise,
+    known_bound,
     recommend,
 )
 
@@ -48,6 +53,9 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
 logger = logging.getLogger("taskonce.spark_ext")
+
+#: The event names the audit reads (any other makes its row malformed).
+KNOWN_EVENTS = frozenset({*EVENT_NAMES, RECHECK_EVENT})
 
 #: Up to this many duplicates, percentiles are exact (Spark ``percentile``, linear
 #: interpolation between the closest ranks); above, ``percentile_approx`` with
@@ -71,10 +79,12 @@ _STEPS = (
     "replaying windows and timeline",
     "summing up the hand-off and the report",
 )
-#: The event fields the audit uses; the others (``framework``, ``mode``, ``duration_ms``,
-#: ``reason``, ``count``) are dropped before the shuffle by key.
+#: The event fields the audit uses; the others (``mode``, ``duration_ms``, ``reason``,
+#: ``count``) are dropped before the shuffle by key, and ``framework`` crosses it only as a
+#: small number (:data:`FRAMEWORK_FLAGS`).
 AUDIT_COLUMNS = (
     "t_ms",
+    "framework",
     "event",
     "key",
     "queue",
@@ -89,6 +99,10 @@ AUDIT_COLUMNS = (
     CORRUPT_COLUMN,
     "seq",
 )
+#: The frameworks whose brokers' redelivery bounds are known (semantics.FRAMEWORK_BROKERS), as
+#: bits: each key row ORs its events' bits, so the frameworks a log names cost the shuffle one
+#: small number per event, not a string.
+FRAMEWORK_FLAGS = {name: 1 << index for index, name in enumerate(sorted(FRAMEWORK_BROKERS))}
 #: The hand-off's events.
 SENDS_EVENTS = ("sends_deferred", "sends_dispatched", "sends_redispatched", "sends_discarded")
 # The events :meth:`AuditRun.gaps` keeps whatever their dup_kind.
@@ -99,14 +113,16 @@ _KEPT_EVENTS = (*SENDS_EVENTS, "lease_taken_over")
 class AuditResult:
     """What :func:`audit` found.
 
-    :ivar report: the report in its public shape (docs/audit.md) (``report.json``).
+    :ivar report: the report in its public shape (docs/audit.md) (``report.json``), with the
+        advice's evidence and verdict per scope in ``report["advice"]``.
     :ivar details: per scope, what the public shape leaves out: ``events``, ``duplicates``,
         ``duplicate_rate``, ``leaked_runs``, ``keep_for_in_force_s``, ``buckets`` (label →
-        count), ``first_ts``/``last_ts``; keyed ``"overall"``, ``"queue:<name>"``,
-        ``"task:<name>"``.
+        count), ``first_ts``/``last_ts``, ``first_delivery_ms``; keyed ``"overall"``,
+        ``"queue:<name>"``, ``"task:<name>"``.
     :ivar what_if: the what-if rows with ``store_bytes`` (store name → bytes) added.
     :ivar info: about the input and the run: ``malformed`` rows dropped, ``span_s``,
         ``keys_per_s``, ``percentiles`` (``"exact"`` or ``"approximate"``), ``broker_bounds``,
+        ``frameworks`` (those the events name whose brokers' bounds are known),
         ``safety_factor``, ``grace_s``, ``bytes_per_key``, recommended store size, sources.
     :ivar leaks_sample: up to ``sample_rows`` leaked keys (dicts), latest first.
     :ivar stuck_sample: up to ``sample_rows`` stuck claims (dicts), latest first.
@@ -199,7 +215,7 @@ def classify(events: DataFrame, keep_for_s: float | None = None) -> DataFrame:
     before = ordered.rowsBetween(Window.unboundedPreceding, -1)
     so_far = ordered.rowsBetween(Window.unboundedPreceding, Window.currentRow)
     valid = (
-        F.col("event").isin(sorted(EVENT_NAMES))
+        F.col("event").isin(sorted(KNOWN_EVENTS))
         & F.col("t_ms").isNotNull()
         & F.col(CORRUPT_COLUMN).isNull()
     )
@@ -295,7 +311,7 @@ def _named(events: DataFrame) -> DataFrame:
     from pyspark.sql import functions as F
 
     valid = (
-        F.col("event").isin(sorted(EVENT_NAMES))
+        F.col("event").isin(sorted(KNOWN_EVENTS))
         & F.col("t_ms").isNotNull()
         & F.col(CORRUPT_COLUMN).isNull()
     )
@@ -318,9 +334,10 @@ def group_by_key(events: DataFrame) -> DataFrame:
     :data:`EVENT_FIELDS`, sorted by time and then source order), ``first_done`` and
     ``first_anchor`` (the 1-based positions in ``events`` of the key's first completed/marked
     event and of its first claim, mark or completion; 0 without one), ``delivered`` and
-    ``leaked`` (a concurrent duplicate, or a run after the first completion), and
+    ``leaked`` (a concurrent duplicate, or a run after the first completion),
     ``last_valid_ms``, ``first_delivery_ms`` and ``last_delivery_ms`` (the times of the row's
-    last valid event and of its first and last delivery; null without one).
+    last valid event and of its first and last delivery; null without one), and
+    ``frameworks`` (the :data:`FRAMEWORK_FLAGS` of its valid events' ``framework``, ORed).
 
     Malformed rows and rows without a key are rows of their own (``key`` null, one event): they
     count in the totals and take no part in any key's timeline. One shuffle, the only one over
@@ -342,6 +359,13 @@ def group_by_key(events: DataFrame) -> DataFrame:
     # array: the audit's span and log end then read three numeric columns of the kept rows,
     # not every row's array of events.
     delivery_t = F.when(_in("event", DELIVERY_EVENTS), F.col("t_ms"))
+    framework_flag: Column = F.lit(0)
+    if "framework" in events.columns:
+        for name, bit in FRAMEWORK_FLAGS.items():
+            framework_flag = F.when(F.col("framework") == name, F.lit(bit)).otherwise(
+                framework_flag
+            )
+    framework_flag = F.when(F.col("_valid"), framework_flag).otherwise(F.lit(0)).cast("byte")
     # Shuffled by the grouping columns first, so that the grouping finds each key's events in
     # one partition and aggregates them there once: grouped straight away, Spark would first
     # gather a partial list per key on the map side of the shuffle (sorting all events by key
@@ -354,6 +378,7 @@ def group_by_key(events: DataFrame) -> DataFrame:
             F.struct(*fields).alias("_event"),
             F.when(F.col("_valid"), F.col("t_ms")).alias("_valid_t"),
             delivery_t.alias("_delivery_t"),
+            framework_flag.alias("_framework"),
         )
         .repartition("key", "_row")
         .groupBy("key", "_row")
@@ -362,6 +387,7 @@ def group_by_key(events: DataFrame) -> DataFrame:
             F.max("_valid_t").alias("last_valid_ms"),
             F.min("_delivery_t").alias("first_delivery_ms"),
             F.max("_delivery_t").alias("last_delivery_ms"),
+            F.bit_or("_framework").alias("frameworks"),
         )
     )
 
@@ -380,6 +406,7 @@ def group_by_key(events: DataFrame) -> DataFrame:
         "last_valid_ms",
         "first_delivery_ms",
         "last_delivery_ms",
+        "frameworks",
     )
     # a leaked run: a concurrent duplicate, or a run after the key's first completion
     after_done = F.slice(names, F.col("first_done") + 1, F.size(names) - F.col("first_done"))
@@ -779,7 +806,6 @@ class AuditRun:
             if isinstance(broker_bounds, Mapping)
             else {f"bound {i + 1}": float(b) for i, b in enumerate(broker_bounds)}
         )
-        self.bound_values = [float(v) for v in self.bounds.values()]
         self.windows = sorted({float(w) for w in simulate_windows})
         self.safety_factor = safety_factor
         self.grace_s = grace_s
@@ -788,6 +814,7 @@ class AuditRun:
         self.now = now
         self.shuffle_partitions = shuffle_partitions
         self.log_end_ms: int | None = None
+        self.frameworks: list[str] = []
         self.scopes: dict[str, dict[str, Any]] = {}
         self.histogram: list[tuple[float, int]] = []
         self.exact = True
@@ -847,8 +874,11 @@ class AuditRun:
             F.max("last_valid_ms").alias("last_ms"),
             F.min("first_delivery_ms").alias("first_delivery_ms"),
             F.max("last_delivery_ms").alias("last_delivery_ms"),
+            F.bit_or("frameworks").alias("frameworks"),
         ).first()
         self.log_end_ms = None if row is None else row["last_ms"]
+        flags = int((row["frameworks"] if row is not None else None) or 0)
+        self.frameworks = [name for name, bit in FRAMEWORK_FLAGS.items() if flags & bit]
         first_ms = None if row is None else row["first_delivery_ms"]
         last_ms = None if row is None else row["last_delivery_ms"]
         self.span_s = ((last_ms - first_ms) / 1000.0) if first_ms is not None else 0.0
@@ -1138,16 +1168,20 @@ class AuditRun:
         ]
         overall = self.scopes["overall"]
         total_events = int(overall.get("events") or 0)
+        bound_s, bound_name, bound_source = known_bound(self.bounds, self.frameworks)
         report, details = _build_report(
             self.scopes,
             total_events,
-            self.bound_values,
+            [] if bound_s is None else [bound_s],
             self.safety_factor,
             self.what_if_rows,
             self.now,
         )
         report["handoff"] = handoff
         report["producer"] = producer
+        report["advice"] = _advice(
+            report, details, self.log_end_ms, (bound_s, bound_name, bound_source), self.frameworks
+        )
         malformed = int(overall.get("malformed") or 0)
         if malformed:
             logger.warning("dropped %d malformed event row(s) (no event name or bad ts)", malformed)
@@ -1162,6 +1196,7 @@ class AuditRun:
             "keys_per_s": self.keys_per_s,
             "percentiles": "exact" if self.exact else "approximate",
             "broker_bounds": self.bounds,
+            "frameworks": self.frameworks,
             "safety_factor": self.safety_factor,
             "grace_s": self.grace_s,
             "near_miss_ratio": NEAR_MISS_RATIO,
@@ -1237,7 +1272,9 @@ def audit(
     :param keep_for_s: the keep_for to judge near misses by for events that carry none.
     :param broker_bounds: the brokers' redelivery bounds in seconds (e.g. Redis
         ``visibility_timeout``), by name or as a list; the recommendation is never below the
-        longest.
+        longest. Without any, the bound of the longest default among the brokers of the
+        frameworks the events name (semantics.FRAMEWORK_BROKERS: Celery 3600 s, Dramatiq
+        1800 s), stated as assumed in ``report["advice"]``.
     :param safety_factor: the p99.9 gap is multiplied by this.
     :param simulate_windows: keep_for values (seconds) to replay the log with (what-if).
     :param grace_s: a claim not ended within its lease plus this (after its last renewal) is
@@ -1481,6 +1518,7 @@ def _build_report(
             "buckets": {label: int(values.get(f"bucket {label}") or 0) for label, _ in GAP_BUCKETS},
             "first_ts": _iso(values.get("first_ms")),
             "last_ts": _iso(values.get("last_ms")),
+            "first_delivery_ms": values.get("first_delivery_ms"),
             **_recovery(values),
         }
     generated = (now or datetime.datetime.now(datetime.timezone.utc)).astimezone(
@@ -1500,6 +1538,55 @@ def _build_report(
         "what_if": [{field: row[field] for field in WHAT_IF_FIELDS} for row in what_if],
     }
     return report, details
+
+
+#: The fields of one scope's advice in ``report.json`` (``"advice"``), in this order.
+ADVICE_SCOPE_FIELDS = ("verdict", "span_s", "duplicates", "gaps", "span_needed_s", "reasons")
+
+
+def _advice(
+    report: dict[str, Any],
+    details: dict[str, dict[str, Any]],
+    log_end_ms: int | None,
+    bound: tuple[float | None, str | None, str | None],
+    frameworks: list[str],
+) -> dict[str, Any]:
+    """``report.json``'s ``"advice"``: the evidence behind each scope's
+    ``recommended_keep_for_s`` and its verdict (semantics.advise). The broker bound is the
+    log's (``--broker-bound``, else assumed from the frameworks the events name); a scope's
+    span runs from its first delivery to the log's last event (the latest a duplicate of its
+    messages could have shown)."""
+    bound_s, name, source = bound
+
+    def scope(key: str, metrics: dict[str, Any]) -> dict[str, Any]:
+        detail = details[key]
+        first = detail.get("first_delivery_ms")
+        span_s = (
+            _seconds(max(log_end_ms - first, 0))
+            if first is not None and log_end_ms is not None
+            else 0.0
+        )
+        recommended = int(metrics["recommended_keep_for_s"])
+        verdict, reasons = advise(span_s, int(detail["gaps"]), recommended, bound_s)
+        return {
+            "verdict": verdict,
+            "span_s": span_s,
+            "duplicates": int(detail["duplicates"]),
+            "gaps": int(detail["gaps"]),
+            "span_needed_s": recommended,
+            "reasons": reasons,
+        }
+
+    return {
+        "broker_bound_s": None if bound_s is None else _number(bound_s),
+        "broker_bound_name": name,
+        "broker_bound_source": source,
+        "frameworks": list(frameworks),
+        "min_gaps": 0 if bound_s is not None else MIN_ADVICE_GAPS,
+        "overall": scope("overall", report["overall"]),
+        "queues": {n: scope(f"queue:{n}", m) for n, m in report["queues"].items()},
+        "tasks": {n: scope(f"task:{n}", m) for n, m in report["tasks"].items()},
+    }
 
 
 def _recovery(values: dict[str, Any]) -> dict[str, float | None]:

@@ -10,7 +10,9 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
+import textwrap
 from typing import TYPE_CHECKING, Any, TextIO
 
 from taskonce.errors import ConfigError
@@ -24,7 +26,8 @@ from taskonce.spark_ext.semantics import (
     BYTES_PER_KEY,
     DEFAULT_GRACE_S,
     DEFAULT_SAFETY_FACTOR,
-    human_duration,
+    KNOWN_BROKERS,
+    advice_text,
     parse_broker_bound,
     parse_duration,
 )
@@ -36,6 +39,19 @@ logger = logging.getLogger("taskonce.spark_ext")
 
 #: Exit code when ``--fail-on-leak`` finds leaks or a keep_for below its recommendation.
 EXIT_PROBLEMS = 1
+#: What to install when PySpark (or matplotlib, for the charts) is missing: the ``spark`` extra
+#: of pyproject.toml.
+INSTALL_SPARK = "pip install 'taskonce[spark]'"
+#: What to install when Spark cannot start for want of Java.
+INSTALL_JAVA = "Spark needs Java 17+ (e.g. apt-get install default-jre-headless, or set JAVA_HOME)"
+
+
+def _import_pyspark() -> None:
+    """Raise ImportError naming the ``spark`` extra when PySpark is not installed."""
+    try:
+        import pyspark.sql  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"the audit needs PySpark ({exc}): {INSTALL_SPARK}") from exc
 
 
 def _duration(text: str) -> float:
@@ -133,9 +149,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_bound,
         action="append",
         default=[],
-        metavar="[NAME=]DURATION",
-        help="a broker's redelivery bound, e.g. redis-visibility=1h (repeatable); the "
-        "recommendation is never below the longest",
+        metavar="[NAME=]DURATION|BROKER",
+        help="a broker's redelivery bound, e.g. redis-visibility=1h, 3600, or a broker with a "
+        "known default: "
+        + ", ".join(f"{n} ({s:g} s)" for n, (s, _) in KNOWN_BROKERS.items())
+        + " (repeatable); the recommendation is never below the longest. Without one, the "
+        "longest default of the brokers of the framework the events name is assumed",
     )
     judge.add_argument(
         "--safety-factor",
@@ -233,7 +252,10 @@ def build_session(
     With a ``local`` master and no ``PYSPARK_PYTHON`` in the environment, it sets
     ``PYSPARK_PYTHON`` to this interpreter, so Python work on the executors (``send_rows``)
     runs in the same virtualenv instead of the first ``python3`` on the PATH.
+
+    Raises ImportError naming the ``spark`` extra when PySpark is not installed.
     """
+    _import_pyspark()
     from pyspark.sql import SparkSession
 
     if master.startswith("local") and not os.environ.get("PYSPARK_PYTHON"):
@@ -324,6 +346,10 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         bounds[name] = max(seconds, bounds.get(name, 0.0))
     sizes = dict(args.bytes_per_key) or None
     check_inputs(args)
+    try:
+        _import_pyspark()
+    except ImportError as exc:
+        raise ConfigError(f"taskonce audit: {exc}") from None
     from pyspark.sql import SparkSession
 
     # inside a running Spark application (a notebook, a test) use its session and keep it
@@ -332,6 +358,10 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     log_config = log_to_file(args.out) if owned and not verbose else None
     try:
         spark = build_session(args.master, jars, args.driver_memory, conf, log_config=log_config)
+    except Exception as exc:
+        if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+            raise ConfigError(f"taskonce audit: Spark cannot start: {INSTALL_JAVA}") from exc
+        raise
     finally:
         if log_config is not None:
             os.unlink(log_config)  # log4j2 read it when the JVM started
@@ -373,7 +403,7 @@ def summary(result: Any, folder: str) -> str:
     """A few lines for the terminal."""
     report = result.report
     overall = report["overall"]
-    recommended = overall["recommended_keep_for_s"]
+    advice = report["advice"]
     lines = [
         f"events {report['events']:,}  deliveries {overall['deliveries']:,}  "
         f"keys {overall['distinct_keys']:,}  runs {overall['runs']:,}",
@@ -382,8 +412,15 @@ def summary(result: Any, folder: str) -> str:
         f"near misses {overall['near_misses']:,}; stuck claims {overall['stuck_claims']:,}",
         f"gaps: p50 {overall['gap_p50_s']:g} s, p99 {overall['gap_p99_s']:g} s, "
         f"p99.9 {overall['gap_p999_s']:g} s, max {overall['gap_max_s']:g} s",
-        f"keep_for in force {report['keep_for_s']:g} s; recommended {recommended} s "
-        f"({human_duration(recommended)})",
+        f"keep_for in force {report['keep_for_s']:g} s",
+        # the advice with its evidence: a long sentence, wrapped for the terminal
+        textwrap.fill(
+            advice_text(advice, advice["overall"], overall["recommended_keep_for_s"]),
+            width=100,
+            subsequent_indent="  ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        ),
     ]
     for row in report["what_if"]:
         lines.append(

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from taskonce.errors import TaskonceError
 from taskonce.events import FIELDS
+from taskonce.spark_ext.semantics import RECHECK_EVENT
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -277,9 +278,11 @@ def _normalise(frame: DataFrame) -> DataFrame:
     else:
         ts_ms = F.unix_millis(F.col("ts").cast("string").try_cast("timestamp"))
     corrupt = F.col(CORRUPT_COLUMN) if CORRUPT_COLUMN in types else F.lit(None).cast("string")
+    # A copy the guard deferred again is named apart, so that it counts as no delivery.
+    recheck = (F.col("event") == "in_progress_deferred") & (F.col("reason") == "recheck")
     return frame.select(
         ts_ms.alias("t_ms"),
         *columns,
         corrupt.alias(CORRUPT_COLUMN),
         F.monotonically_increasing_id().alias("seq"),
-    )
+    ).withColumn("event", F.when(recheck, F.lit(RECHECK_EVENT)).otherwise(F.col("event")))

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from taskonce.spark_ext.semantics import (
+    ADVISE,
     GAP_BUCKETS,
     METRIC_FIELDS,
+    advice_text,
     human_bytes,
     human_duration,
 )
@@ -181,38 +183,52 @@ def _scope_rows(result: AuditResult) -> list[tuple[str, str, dict[str, Any], dic
 # -- the readable reports -----------------------------------------------------------------
 
 
+def _advised(result: AuditResult) -> bool:
+    """Whether the overall advice is a window to configure (not a log too short to advise)."""
+    advice = result.report.get("advice") or {}
+    return bool(advice.get("overall", {}).get("verdict", ADVISE) == ADVISE)
+
+
 def _verdict(result: AuditResult) -> list[str]:
     overall = result.report["overall"]
     lines: list[str] = []
     problems = result.problems()
+    advised = _advised(result)
     if problems:
         lines.append("**Action needed:**")
         lines += [f"- {problem}" for problem in problems]
-    else:
+    elif advised:
         lines.append("**No leaks; every queue's keep_for covers its recommendation.**")
-    recommended = overall["recommended_keep_for_s"]
-    basis = []
-    if overall["gap_p999_s"] or overall["gap_max_s"]:
-        basis.append(
-            f"p99.9 redelivery gap {overall['gap_p999_s']:g} s × safety factor "
-            f"{result.info['safety_factor']:g}"
+    else:
+        lines.append(
+            "**No leaks; but this log is too short to advise a keep_for** (see below): its "
+            "silence about late duplicates is no evidence that none come."
         )
-    bounds = result.info["broker_bounds"]
-    if bounds:
-        longest = max(bounds, key=lambda name: bounds[name])
-        basis.append(f"longest broker bound {longest} = {bounds[longest]:g} s")
-    if not basis:
-        basis.append("no duplicates and no broker bound given: the minimum window")
-    sizes = ", ".join(
-        f"{human_bytes(size)} in {name}"
-        for name, size in result.info["recommended_store_bytes"].items()
-    )
+    advice = result.report["advice"]
+    text = advice_text(advice, advice["overall"], overall["recommended_keep_for_s"], markup=True)
     lines.append("")
-    lines.append(
-        f"Recommended keep_for: **{recommended} s ({human_duration(recommended)})** — the "
-        f"larger of {' and '.join(basis)}, rounded up. At {result.info['keys_per_s']:.3g} new "
-        f"keys/s that holds about {result.info['recommended_store_keys']:,} keys ({sizes})."
-    )
+    if advised:
+        basis = []
+        if overall["gap_p999_s"] or overall["gap_max_s"]:
+            basis.append(
+                f"p99.9 redelivery gap {overall['gap_p999_s']:g} s × safety factor "
+                f"{result.info['safety_factor']:g}"
+            )
+        if advice.get("broker_bound_s") is not None:
+            basis.append(f"the broker bound {advice['broker_bound_s']:g} s")
+        if not basis:
+            basis.append("no duplicates and no broker bound: the minimum window")
+        sizes = ", ".join(
+            f"{human_bytes(size)} in {name}"
+            for name, size in result.info["recommended_store_bytes"].items()
+        )
+        lines.append(
+            f"{text}. It is the larger of {' and '.join(basis)}, rounded "
+            f"up. At {result.info['keys_per_s']:.3g} new keys/s that holds about "
+            f"{result.info['recommended_store_keys']:,} keys ({sizes})."
+        )
+    else:
+        lines.append(text)
     return lines
 
 
@@ -226,12 +242,25 @@ def _scope_table(
     )
     rows: list[list[str]] = []
     for name, metrics in entries[:MAX_SCOPE_ROWS]:
-        detail = result.details[f"{scope}:{name}"]
+        detail = _with_advice(result, plural, name, result.details[f"{scope}:{name}"])
         rows.append([name, *[_cell(field, metrics, detail) for field, _ in columns]])
     return [scope, *[title for _, title in columns]], rows, len(entries)
 
 
+def _with_advice(
+    result: AuditResult, plural: str, name: str, detail: dict[str, Any]
+) -> dict[str, Any]:
+    """``detail`` with the scope's advice verdict as ``advice`` (for its table cell)."""
+    advice = result.report.get("advice") or {}
+    scope = advice.get("overall") if plural == "overall" else advice.get(plural, {}).get(name)
+    verdict = (scope or {}).get("verdict")
+    shown = "—" if verdict is None else ("advise" if verdict == ADVISE else "too short")
+    return {**detail, "advice": shown}
+
+
 def _cell(field: str, metrics: dict[str, Any], detail: dict[str, Any]) -> str:
+    if field == "advice":
+        return str(detail.get("advice", "—"))
     if field == "duplicate_rate":
         return f"{100 * detail['duplicate_rate']:.2f}%"
     if field == "keep_for_in_force_s" or field.startswith("recovery_"):
@@ -271,13 +300,14 @@ _GAP_COLUMNS = (
     ("gap_max_s", "max s"),
     ("keep_for_in_force_s", "keep_for s"),
     ("recommended_keep_for_s", "recommended s"),
+    ("advice", "advice"),
 )
 
 
 def _sections(result: AuditResult) -> list[tuple[str, list[str], list[list[str]], str]]:
     """(title, header, rows, note) of every table of the readable reports."""
     overall = result.report["overall"]
-    detail = result.details["overall"]
+    detail = _with_advice(result, "overall", "", result.details["overall"])
     sections: list[tuple[str, list[str], list[list[str]], str]] = []
     sections.append(
         (
@@ -460,11 +490,13 @@ def render_html(result: AuditResult, images: dict[str, Path]) -> str:
         "table{border-collapse:collapse;margin:.5em 0 1.5em}",
         "td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}",
         "td:first-child,th:first-child{text-align:left}th{background:#f3f3f3}",
-        ".bad{color:#b00020}.ok{color:#1b5e20}img{max-width:100%;border:1px solid #ddd}",
+        ".bad{color:#b00020}.ok{color:#1b5e20}.warn{color:#8a4b00}",
+        "img{max-width:100%;border:1px solid #ddd}",
         "</style></head><body><h1>taskonce audit</h1>",
     ]
     parts += [f"<p>{_inline(line)}</p>" for line in _input_lines(result)]
-    verdict_class = "bad" if result.problems() else "ok"
+    # green only for a window to configure: a log too short to advise is amber, not green
+    verdict_class = "bad" if result.problems() else ("ok" if _advised(result) else "warn")
     parts.append(f"<div class='{verdict_class}'>")
     items: list[str] = []
     for line in _verdict(result):

@@ -1,6 +1,6 @@
 """The chaos soak, short: both frameworks at once, transactional PostgreSQL store, eager mode.
 
-Two soaks (``bench/chaos/soak.py``) run side by side, each with its own broker redis-server, two
+Two soaks (``tools/soak/soak.py``) run side by side, each with its own broker redis-server, two
 real workers of two processes, 120 messages over 20 s and a fault every 1–3 s (every kind that
 applies to a PostgreSQL store: pool processes SIGKILLed and SIGSTOPped past the lease, whole
 workers SIGKILLed, messages published again, this run's PostgreSQL backends terminated, the
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos.soak import judge, lost_by_broker
 from tests.helpers import IN_CI, require_service
+from tools.soak.soak import judge, lost_by_broker
 
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = {"celery": 1101, "dramatiq": 2202}
@@ -42,7 +42,7 @@ def test_celery_and_dramatiq_keep_exactly_one_ledger_row_per_key_under_faults(
             [
                 sys.executable,
                 "-m",
-                "bench.chaos.soak",
+                "tools.soak.soak",
                 "--framework",
                 framework,
                 "--store",

@@ -211,6 +211,20 @@ def test_a_duplicate_comes_back_about_as_long_after_as_the_owner_has_run(
     assert guard.execute(Delivery("m1", "q"), Counter()).status == "skipped"
 
 
+def test_a_copy_deferred_before_is_deferred_again_as_a_recheck(clock: Clock, sink: Sink) -> None:
+    """The adapters count the guard's deferrals on the copy they publish again; deferring such
+    a copy again says ``reason: "recheck"``, so the audit counts one duplicate, not one per
+    deferral."""
+    guard = make_guard(clock, sink, lease=300)
+    running = guard.begin(Delivery("m1", "q"))
+    for deferred in (0, 1, 2):
+        with pytest.raises(InProgressElsewhere):
+            guard.execute(Delivery("m1", "q", deferred=deferred), Counter())
+    reasons = [e["reason"] for e in sink.events if e["event"] == "in_progress_deferred"]
+    assert reasons == [None, "recheck", "recheck"]
+    guard.finish(running)
+
+
 # -- lazy ----------------------------------------------------------------------------------
 
 

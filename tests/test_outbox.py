@@ -242,9 +242,6 @@ class _NoLiveness:
     def __init__(self, store: Any, health: Any = None) -> None:
         pass
 
-    def stop(self) -> None:
-        pass
-
     def ensure(self) -> None:
         pass
 

@@ -9,7 +9,7 @@ runs are counted in PostgreSQL. Speed: no-op tasks per second of each guard, pla
 the baseline, rounds interleaved in one run; per message, the worker's CPU (``/proc/<pid>/stat``
 of its processes), the producer's CPU (this process while it sends), and the store's work:
 its ``INFO commandstats`` (commands, scripts, top-level usec) and its redis-server's CPU time
-(:mod:`bench.cpu_meter`). ``--write-docs`` writes both tables to ``docs/comparison.md``.
+(:mod:`bench.harness`). ``--write-docs`` writes both tables' blocks in ``docs/comparison.md``.
 
 Run: ``make compare`` (installs the peers from ``bench/peers/requirements.txt``), or
 ``.venv/bin/python -m bench.peers.compare [--rounds 3 --messages 300] [--write-docs]``.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -37,9 +36,18 @@ import redis
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.chaos.soak import PG_URL, RedisServer, wait_until  # noqa: E402
-from bench.cpu_meter import StoreMeter, group_cpu  # noqa: E402
-from bench.docs_section import command_lines, write_section  # noqa: E402
+from bench.harness import (  # noqa: E402
+    PG_URL,
+    RedisServer,
+    StoreMeter,
+    group_cpu,
+    interleaved,
+    loadavg,
+    measured_line,
+    table,
+    wait_until,
+    write_block,
+)
 
 PEERS = ("plain", "taskonce", "celery_once", "celery_singleton", "powertools", "handwritten")
 NAMES = {
@@ -52,8 +60,6 @@ NAMES = {
     "one_trip": "plain Celery + one `DEL` after the body (yardstick)",
 }
 DOC = ROOT / "docs" / "comparison.md"
-BEHAVIOUR = "## Side by side: behaviour"
-SPEED = "## Side by side: speed"
 #: Seconds a scenario waits for a redelivery before it says "not run again".
 REDELIVERY_WINDOW = 60.0
 
@@ -84,32 +90,15 @@ class Bench:
         ready = self.folder / "ready"
         env = {**os.environ, "PEERS_READY": str(ready), "PYTHONPATH": str(ROOT)}
         with open(self.folder / "worker.log", "ab") as log:
+            argv = [
+                sys.executable, "-m", "celery", "-A", "bench.peers.app", "worker", "-P", "prefork",
+                "-c", "2", "-Q", f"{self.prefix}.q", "--without-gossip", "--without-mingle",
+                "--without-heartbeat", "-l", "WARNING",
+            ]  # fmt: skip
             self.worker = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "bench.peers.app",
-                    "worker",
-                    "-P",
-                    "prefork",
-                    "-c",
-                    "2",
-                    "-Q",
-                    f"{self.prefix}.q",
-                    "--without-gossip",
-                    "--without-mingle",
-                    "--without-heartbeat",
-                    "-l",
-                    "WARNING",
-                ],
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+                argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )
+            )  # fmt: skip
         wait_until(ready.exists, 120, "the worker to be ready")
         import bench.peers.app as app  # configured by the environment set above
 
@@ -125,8 +114,7 @@ class Bench:
         }
         self.client = redis.Redis.from_url(self.broker.url)
         self.store = redis.Redis.from_url(self.locks.url)
-        assert self.locks.process is not None
-        self.meter = StoreMeter(self.store, self.locks.process.pid)
+        self.meter = StoreMeter(self.store, self.locks.pid)
 
     def stop(self) -> None:
         if self.worker is not None:
@@ -307,56 +295,15 @@ SCENARIOS = (
 )
 
 
-def speed_section(
-    speeds: dict[str, list[Speed]], args: argparse.Namespace, load_start: str, load_end: str
-) -> list[str]:
-    """The speed table: medians of each guard's rounds, plain Celery as the baseline."""
+def speed_tables(speeds: dict[str, list[Speed]]) -> list[str]:
+    """The speed table (medians of each guard's rounds, plain Celery as the baseline) and the
+    store's commands per message by name."""
 
     def med(peer: str, field: str) -> float:
         return statistics.median(getattr(speed, field) for speed in speeds[peer])
 
     plain = "plain" in speeds
-    lines = [
-        SPEED,
-        "",
-        f"No-op tasks through one worker (`celery worker -P prefork -c 2`, `acks_late`), "
-        f"{args.messages} per round, sent to a fresh queue first, then drained by the worker "
-        "(`add_consumer`), timed from the first completion to the last, both stamped by the "
-        "worker (not from `add_consumer`: the worker only sees the new queue when its BRPOP on "
-        "the old ones times out, up to 1 s later, sooner the longer the sends took); "
-        f"{args.rounds} rounds of "
-        "each guard interleaved in one run (order reversed every other round); medians of the "
-        "rounds. The *vs plain* and *above plain* columns set each round against plain "
-        "Celery's round of the same pass (the machine's speed drifts between passes more than "
-        "the guards differ) and give the median of those ratios or differences, with the "
-        "lowest and highest in brackets. The last row is a yardstick, not a guard: plain "
-        "Celery with one `DEL` to the store after the body, the one round trip celery-once "
-        "and celery-singleton make in the worker. Per message: *worker CPU* is the user + "
-        "system time of the worker's main and pool processes (`/proc/<pid>/stat`) while it "
-        "drains the queue; *producer CPU* is the sending process's while it sends "
-        "(celery-once and celery-singleton take their lock there, at `apply_async`, and "
-        "release it in the worker), so *producer + worker above plain* is the CPU each guard "
-        "adds per message wherever it runs, and *send + run* the wall time of one message's "
-        "send (the sends' time per message) plus its share of the drain (1 / tasks/s); its "
-        "*vs plain* is plain's over the guard's, so above 1× is faster. The store's figures "
-        "cover the sends and the drain, "
-        "producer and worker together: *store µs* is its `INFO commandstats` usec of "
-        "top-level commands (a Lua script's includes the commands it runs, counted once), "
-        "*store process* its redis-server's own CPU time (`/proc`, 10 ms ticks), network I/O "
-        "included; *commands* as Redis counts them "
-        "(those a script runs included), and of those the scripts (`EVAL`/`EVALSHA`, one round "
-        "trip each). The worker's liveness records (taskonce: one write per process every 4 s) "
-        "fall into every row. "
-        f"Python {platform.python_version()}, {os.cpu_count()} CPUs ({platform.machine()}); "
-        f"load average {load_start} at the start, {load_end} at the end.",
-        "",
-        "| guard | tasks/s | vs plain | send + run µs | vs plain | worker CPU µs | above plain "
-        "| producer CPU µs "
-        "| producer + worker above plain | store µs (commandstats) | store process µs "
-        "| store commands | of which scripts |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: |",
-    ]
+    rows = []
 
     def send_and_run(speed: Speed) -> float:
         return speed.send_us + 1e6 / speed.rate
@@ -396,22 +343,13 @@ def speed_section(
             ),
             microseconds,
         )
-        lines.append(
-            f"| {NAMES[peer]} | {med(peer, 'rate'):.0f} | {ratio} | {whole:.0f} | {whole_ratio} "
-            f"| {med(peer, 'worker_us'):.0f} | {above} "
-            f"| {med(peer, 'producer_us'):.0f} | {both} | {med(peer, 'store_us'):.0f} "
-            f"| {med(peer, 'store_cpu_us'):.0f} | {med(peer, 'commands'):.1f} "
-            f"| {med(peer, 'scripts'):.1f} |"
+        rows.append(
+            [NAMES[peer], f"{med(peer, 'rate'):.0f}", ratio, f"{whole:.0f}", whole_ratio]
+            + [f"{med(peer, 'worker_us'):.0f}", above, f"{med(peer, 'producer_us'):.0f}", both]
+            + [f"{med(peer, f):.0f}" for f in ("store_us", "store_cpu_us")]
+            + [f"{med(peer, f):.1f}" for f in ("commands", "scripts")]
         )
-    lines += [
-        "",
-        "The store's commands per message, by name, with the `INFO commandstats` µs of each "
-        "(medians of the rounds; a command a script runs shows its calls, its time is the "
-        "script's):",
-        "",
-        "| guard | store commands per message |",
-        "| --- | --- |",
-    ]
+    commands = []
     for peer in speeds:
         names = {name for speed in speeds[peer] for name in speed.by_command}
         median = {
@@ -421,8 +359,19 @@ def speed_section(
             )
             for name in names
         }
-        lines.append(f"| {NAMES[peer]} | {by_command(median) or 'none'} |")
-    return lines
+        commands.append([NAMES[peer], by_command(median) or "none"])
+    header = (
+        "guard|tasks/s|vs plain|send + run µs|vs plain|worker CPU µs|above plain|producer CPU µs|"
+        "producer + worker above plain|store µs (commandstats)|store process µs|store commands|"
+        "of which scripts"
+    )
+    return [
+        table(header.split("|"), rows, "l" + "r" * 12),
+        "The store's commands per message, by name, with the `INFO commandstats` µs of each "
+        "(medians of the rounds; a command a script runs shows its calls, its time is the "
+        "script's):",
+        table(["guard", "store commands per message"], commands),
+    ]
 
 
 def by_command(per_message: dict[str, tuple[float, float]]) -> str:
@@ -453,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     bench = Bench(folder)
     command = ".venv/bin/python -m bench.peers.compare " + " ".join(argv or sys.argv[1:])
-    load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    load_start = loadavg()
     try:
         bench.start()
         behaviour: dict[str, dict[str, str]] = {}
@@ -468,39 +417,26 @@ def main(argv: list[str] | None = None) -> int:
         speeds: dict[str, list[Speed]] = {p: [] for p in timed}
         for peer in timed:  # warm-up round, not counted
             bench.throughput(peer, min(50, args.messages))
-        for round_no in range(args.rounds):
-            order = timed if round_no % 2 == 0 else list(reversed(timed))
-            for peer in order:
-                speed = bench.throughput(peer, args.messages)
-                speeds[peer].append(speed)
-                print(
-                    f"round {round_no + 1} {NAMES[peer]}: {speed.rate:.0f}/s "
-                    f"(+{speed.wake_s:.2f} s untimed); per message: "
-                    f"worker {speed.worker_us:.0f} µs, producer {speed.producer_us:.0f} µs, "
-                    f"store {speed.store_us:.0f} µs (process {speed.store_cpu_us:.0f} µs), "
-                    f"{speed.commands:.1f} commands, {speed.scripts:.1f} scripts: "
-                    f"{by_command(speed.by_command)}",
-                    flush=True,
-                )
+        for round_no, peer in interleaved(args.rounds, timed):
+            speeds[peer].append(bench.throughput(peer, args.messages))
+            print(f"round {round_no + 1} {NAMES[peer]}: {speeds[peer][-1]}", flush=True)
     finally:
         bench.stop()
-    lines_b = [BEHAVIOUR, ""]
+    blocks = {}
     if behaviour:
-        lines_b += [
-            "| scenario | " + " | ".join(NAMES[p] for p in peers) + " |",
-            "| --- | " + " | ".join("---" for _ in peers) + " |",
+        rows = [[title, *(behaviour[p][title] for p in peers)] for title, _, _ in SCENARIOS]
+        blocks["peers-behaviour"] = table(["scenario", *(NAMES[p] for p in peers)], rows)
+    blocks["peers-speed"] = "\n\n".join(
+        [
+            f"{args.messages} tasks per round, {args.rounds} rounds of each guard.",
+            *speed_tables(speeds),
+            measured_line(command, load_start),
         ]
-        for title, _, _ in SCENARIOS:
-            lines_b.append(f"| {title} | " + " | ".join(behaviour[p][title] for p in peers) + " |")
-        lines_b += ["", *command_lines(command)]
-    load_end = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    lines_s = speed_section(speeds, args, load_start, load_end)
-    lines_s += ["", *command_lines(command)]
-    print("\n".join([*lines_b, "", *lines_s]))
+    )
+    print("\n\n".join(blocks.values()))
     if args.write_docs:
-        if behaviour:
-            write_section("\n".join(lines_b), DOC)
-        write_section("\n".join(lines_s), DOC)
+        for name, text in blocks.items():
+            write_block(name, text, DOC)
     return 0
 
 

@@ -153,6 +153,22 @@ def record(self: Any, table: str, label: str, sleep: float = 0.0, hang_first: bo
     return label
 
 
+@app.task(
+    base=IdempotentTask,
+    bind=True,
+    acks_late=True,
+    idempotency={"lease": 300.0},
+    name="t.record_default_lease",
+)
+def record_default_lease(self: Any, table: str, label: str, sleep: float = 0.0) -> str:
+    """``t.record`` with the Policy's default lease (300 s) instead of the stack's short one,
+    so how long a duplicate waits depends on the guard's choice, not on a lease of 3 s."""
+    count_run(table, self, label)
+    if sleep:
+        time.sleep(sleep)
+    return label
+
+
 @app.task(base=IdempotentTask, bind=True, acks_late=True, max_retries=5, name="t.flaky")
 def flaky(self: Any, table: str, label: str, fails: int) -> dict[str, Any]:
     count_run(table, self, label)

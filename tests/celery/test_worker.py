@@ -8,12 +8,15 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 import uuid
+from typing import Any
 
 import pytest
 from celery import chain
 
 from tests.celery.conftest import Stack, Table
+from tests.helpers import event_time as at
 from tests.helpers import wait_for
 
 
@@ -47,6 +50,39 @@ def test_duplicate_on_the_wire_runs_once(stack: Stack, runs: Table) -> None:
         host, pid = event["worker"].rsplit(":", 1)
         assert host == socket.gethostname()
         assert int(pid) != os.getpid()  # a worker child, not this process
+
+
+def test_concurrent_duplicate_of_a_short_run_is_skipped_soon_after_it_completed(
+    stack: Stack, runs: Table
+) -> None:
+    """The same task id published again while a 0.5 s first run (default lease, 300 s) still
+    runs: the copy is deferred, comes back and is skipped within 4 s of the first run's
+    completion; before, it was re-delivered only after the owner's liveness window (~11 s)."""
+    task_id = new_id()
+    args = (runs.name, "short")
+    stack.send("t.record_default_lease", args, "eager", task_id=task_id, kwargs={"sleep": 0.5})
+    wait_for(lambda: runs.count("short") == 1, timeout=30, what="the first run to start")
+    stack.send("t.record_default_lease", args, "eager", task_id=task_id, kwargs={"sleep": 0.5})
+
+    def first(name: str) -> dict[str, Any] | None:
+        return next((e for e in stack.events(task_id) if e["event"] == name), None)
+
+    wait_for(lambda: first("in_progress_deferred"), timeout=10, what="the copy to be deferred")
+    completed = wait_for(lambda: first("completed"), timeout=20, what="the first run's end")
+    # the deadline: 4 s after the completion, and a little for the event to reach the file
+    skipped = wait_for(
+        lambda: first("duplicate_skipped"),
+        timeout=max(0.0, at(completed) + 4.0 - time.time()) + 0.5,
+        what="the copy to be skipped within 4 s of the completion",
+    )
+    assert at(skipped) - at(completed) <= 4.0
+    assert runs.count("short") == 1
+    assert stack.count(task_id, "claimed") == 1
+    assert stack.app.AsyncResult(task_id).get(timeout=10) == "short"
+    # the copy came back while the first still ran (0.25 s, then as long as it had run): each
+    # deferral after the first is a re-check of the same copy (header taskonce_deferred)
+    reasons = [e["reason"] for e in stack.events(task_id) if e["event"] == "in_progress_deferred"]
+    assert len(reasons) >= 2 and reasons == [None] + ["recheck"] * (len(reasons) - 1), reasons
 
 
 def test_self_retry_three_runs_one_completion(stack: Stack, runs: Table) -> None:

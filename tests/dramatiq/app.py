@@ -288,6 +288,13 @@ def build(config: Config) -> App:
         runs.record(table)
         time.sleep(seconds)
 
+    @actor(main, idempotency={"lease": 300})
+    def short(table: str, seconds: float) -> None:
+        """``slow`` with the Policy's default lease (300 s) instead of a short one, so how long
+        a duplicate waits depends on the guard's choice, not on a lease of 2 s."""
+        runs.record(table)
+        time.sleep(seconds)
+
     @actor(main, max_retries=0)
     def crash_then(table: str, body: float) -> None:
         """The first run waits to be SIGKILLed; later runs take ``body`` seconds (the queue's

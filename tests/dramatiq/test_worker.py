@@ -6,12 +6,14 @@ worker's taskonce events (JSONL) and ack log for its message ids only.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 from dramatiq import Message
 
 from tests.dramatiq.conftest import RABBIT_PG, RABBIT_REDIS, REDIS_PG, REDIS_REDIS, Harness
+from tests.helpers import event_time as at
 
 ALL = [REDIS_REDIS, RABBIT_PG, REDIS_PG, RABBIT_REDIS]
 TWO = [REDIS_REDIS, RABBIT_PG]
@@ -88,6 +90,32 @@ def test_concurrent_duplicate_is_deferred_then_skipped(shared: Harness, runs_tab
     # Deferred by the lease's remaining time (lease 2 s, renewed), never by Retries:
     deferred = h.events(message.message_id, "in_progress_deferred")
     assert {e["attempt"] for e in deferred} == {0}
+
+
+@stacks(TWO)
+def test_concurrent_duplicate_of_a_short_run_is_skipped_soon_after_it_completed(
+    shared: Harness, runs_table: str
+) -> None:
+    """The same message enqueued again while a 0.5 s first run (default lease, 300 s) still
+    runs: the copy is deferred, comes back and is skipped within 4 s of the first run's
+    completion; before, it was re-delivered only after the owner's liveness window (~11 s)."""
+    h = shared
+    message = h.send("short", runs_table, 0.5)
+    h.wait(lambda: h.runs(runs_table) == 1, what="the first run to start")
+    h.enqueue(message)  # while the first delivery is running
+    mid = message.message_id
+    h.wait(lambda: h.events(mid, "in_progress_deferred"), timeout=10, what="a deferral")
+    completed = h.wait(lambda: h.events(mid, "completed"), what="the first run's end")[0]
+    # the deadline: 4 s after the completion, and a little for the event to reach the file
+    skipped = h.wait(
+        lambda: h.events(mid, "duplicate_skipped"),
+        timeout=max(0.0, at(completed) + 4.0 - time.time()) + 0.5,
+        what="the copy to be skipped within 4 s of the completion",
+    )[0]
+    assert at(skipped) - at(completed) <= 4.0
+    h.wait(lambda: done(h, message, 2), what="both deliveries acknowledged")
+    assert h.runs(runs_table) == 1
+    assert h.event_names(mid).count("claimed") == 1
 
 
 @stacks(TWO)

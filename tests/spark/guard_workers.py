@@ -9,13 +9,14 @@ them under the guard:
 - ran → the handler's run is recorded (``RPUSH runs``), ``INCR final``;
 - skipped (a duplicate) → ``INCR final``;
 - deferred (in progress elsewhere) → pushed back after the guard's ``retry_after`` (a timer
-  thread; the worker goes on);
+  thread; the worker goes on), with ``deferred + 1``: the guard re-checks such a copy, and
+  its event says so (``reason: "recheck"``);
 - the handler raised (``fail_first`` on attempt 0) → pushed back with ``attempt + 1``: a retry.
 
 A message is JSON ``{"id", "attempt", "fail_first", "slow"}``; ``"stop"`` ends a worker. A slow
 handler sets ``started:<id>`` and sleeps 1.5 s, so the producer can deliver a duplicate while it
-runs; with the 6 s lease (renewed every 2 s) that duplicate is deferred for at least 4 s, past
-the original's end.
+runs; that duplicate is deferred, then re-checked at a growing interval until the original has
+ended, and skipped.
 """
 
 from __future__ import annotations
@@ -62,12 +63,16 @@ def _work(guard: taskonce.Guard, url: str, prefix: str) -> None:
         if raw == "stop":
             return
         message = json.loads(raw)
-        delivery = Delivery(message["id"], QUEUE, task=TASK, attempt=message["attempt"])
+        deferred = int(message.get("deferred", 0))
+        delivery = Delivery(
+            message["id"], QUEUE, task=TASK, attempt=message["attempt"], deferred=deferred
+        )
         try:
             outcome = guard.execute(delivery, functools.partial(handle, message), (message["id"],))
         except taskonce.InProgressElsewhere as exc:
             # deliver it again later, as a broker's delayed retry would; this worker goes on
-            timer = threading.Timer(exc.retry_after, client.lpush, (inbox, raw))
+            again = json.dumps({**message, "deferred": deferred + 1})
+            timer = threading.Timer(exc.retry_after, client.lpush, (inbox, again))
             timer.daemon = True
             timer.start()
             continue

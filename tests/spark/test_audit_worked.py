@@ -24,6 +24,7 @@ DESIGN_TOP = [
     "what_if",
     "handoff",
     "producer",
+    "advice",  # added since: new fields may be added, none renamed
 ]
 DESIGN_METRICS = list(worked.metrics())
 
@@ -111,6 +112,45 @@ def test_leaks_stuck_claims_and_problems(run: tuple[AuditResult, Path]) -> None:
     ]
 
 
+def test_advice_per_scope(run: tuple[AuditResult, Path]) -> None:
+    """The log ends at 4500 s (the purge); a scope's span runs from its first delivery to
+    there, and it is advised when that covers the window it recommends (the given bound, 3600
+    s, is known, so no least number of duplicates applies)."""
+    advice = run[0].report["advice"]
+    assert {k: v for k, v in advice.items() if k not in ("overall", "queues", "tasks")} == {
+        "broker_bound_s": 3600,
+        "broker_bound_name": "redis-visibility",
+        "broker_bound_source": "option",
+        "frameworks": [],  # "python": no broker known
+        "min_gaps": 0,
+    }
+
+    def short(scope: dict[str, Any]) -> tuple[str, float, int, int, int]:
+        return (
+            scope["verdict"],
+            scope["span_s"],
+            scope["duplicates"],
+            scope["gaps"],
+            scope["span_needed_s"],
+        )
+
+    assert short(advice["overall"]) == ("too_short", 4500.0, 7, 7, 8100)
+    assert {name: short(scope) for name, scope in advice["queues"].items()} == {
+        "clean": ("advise", 4500.0, 0, 0, 3600),
+        "retry": ("advise", 4500.0, 0, 0, 3600),
+        "dups": ("too_short", 4500.0, 4, 4, 6300),
+        "leak": ("too_short", 4500.0, 1, 1, 8100),
+        "lazy": ("advise", 4490.0, 2, 2, 3600),
+        "stuck": ("advise", 4500.0, 0, 0, 3600),
+    }
+    assert sorted(advice["tasks"]) == sorted(run[0].report["tasks"])
+    assert advice["tasks"]["t.dups"] == advice["queues"]["dups"]
+    assert advice["overall"]["reasons"] == [
+        "it spans less than the 2.2 h window it would recommend (a duplicate that late could "
+        "not have shown in it)"
+    ]
+
+
 def test_output_folder(run: tuple[AuditResult, Path], spark: Any) -> None:
     result, out = run
     assert json.loads((out / "report.json").read_text()) == result.report
@@ -118,7 +158,11 @@ def test_output_folder(run: tuple[AuditResult, Path], spark: Any) -> None:
     assert not (out / "tables" / "stale_table").exists()  # an earlier run's: replaced
     markdown = (out / "report.md").read_text()
     assert "stale report" not in markdown
-    assert "Recommended keep_for: **8100 s" in markdown
+    # the log spans 75 min, less than the 8100 s it would recommend: no recommendation
+    assert "**No recommendation: the log is too short to advise**" in markdown
+    assert "broker bound 3600 s (60 min, given as redis-visibility)" in markdown
+    assert "| lazy | 350.5 | 665.05 | 693.01 | 699.301 | 700 | 600 | 3,600 | advise |" in markdown
+    assert "| dups | 45 | 2559 | 2911.8 | 2991.18 | 3000 | 3600 | 6,300 | too short |" in markdown
     assert "| leak:k6 |" in markdown
     assert "![Redelivery gap distribution](charts/gaps.png)" in markdown
     page = (out / "report.html").read_text()

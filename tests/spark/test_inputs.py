@@ -99,6 +99,28 @@ def test_empty_log(spark: Any, tmp_path: Path) -> None:
         "what_if": [{"keep_for_s": 300, "suppressed": 0, "leaked": 0, "store_keys": 0}],
         "handoff": NO_SENDS,
         "producer": NO_SENDS,
+        "advice": {
+            "broker_bound_s": None,
+            "broker_bound_name": None,
+            "broker_bound_source": None,
+            "frameworks": [],
+            "min_gaps": 20,
+            "overall": {
+                "verdict": "too_short",
+                "span_s": 0.0,
+                "duplicates": 0,
+                "gaps": 0,
+                "span_needed_s": 60,
+                "reasons": [
+                    "it spans less than the 60 s window it would recommend (a duplicate that "
+                    "late could not have shown in it)",
+                    "it holds 0 duplicate(s) with a measured gap, fewer than 20, and no broker "
+                    "bound is known",
+                ],
+            },
+            "queues": {},
+            "tasks": {},
+        },
     }
     assert result.problems() == []
 

@@ -60,6 +60,7 @@ def event(
     keep_for_s: float = 3600,
     reason: str | None = None,
     recovery_s: float | None = None,
+    framework: str = "python",
 ) -> dict[str, Any]:
     return {
         "ts": ts(at),
@@ -68,7 +69,7 @@ def event(
         "queue": queue,
         "message_id": key.split(":", 1)[1] if key else None,
         "task": task if task is not None else (f"t.{queue}" if queue else None),
-        "framework": "python",
+        "framework": framework,
         "mode": mode,
         "worker": worker,
         "attempt": attempt,

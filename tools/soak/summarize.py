@@ -1,6 +1,6 @@
 """The soak results table of ``docs/reliability.md`` from run folders' ``report.json``.
 
-Run: ``.venv/bin/python -m bench.chaos.summarize build/chaos/<run> … [--write-docs]``
+Run: ``.venv/bin/python -m tools.soak.summarize build/chaos/<run> … [--write-docs]``
 (``make chaos-all`` leaves one folder per variant under ``build/chaos``).
 """
 
@@ -8,29 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from bench.docs_section import command_lines, write_section  # noqa: E402
-
 DOC = ROOT / "docs" / "reliability.md"
-SECTION = "## Soak results"
+START, END = "<!-- soak:results -->", "<!-- /soak:results -->"
 
 
-def table(reports: list[dict[str, object]], command: str) -> str:
+def table(reports: list[dict[str, object]]) -> str:
     lines = [
-        SECTION,
-        "",
-        "Each row is one run of `bench/chaos/soak.py`: its messages, how long faults were "
-        "injected, the faults by kind, and the ledger's verdict after the drain. *Broker lost* "
-        "counts messages the broker or the framework lost that the guard had never recorded as "
-        "handled (published again by the soak, with the same id, as a producer would); in the "
-        "hand-off rows, *+ N children* counts children the guard had published that the broker "
-        "then lost (published again by the soak with the id the hand-off gave them).",
-        "",
         "| variant | messages | faults for | faults | lost | broker lost | doubled | explained "
         "| drain | promise held |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -45,21 +31,26 @@ def table(reports: list[dict[str, object]], command: str) -> str:
             f"{faults} | {r['lost']} | {broker_lost} | {r['doubled']} "
             f"| {r['explained']} | {r['drain_s']} s | {'yes' if r['held'] else '**no**'} |"
         )
-    lines += ["", *command_lines(command)]
     return "\n".join(lines)
+
+
+def write_table(text: str) -> None:
+    """Replace the table between the markers of docs/reliability.md (the prose is the doc's)."""
+    body = DOC.read_text(encoding="utf-8")
+    head, rest = body.split(START)
+    DOC.write_text(f"{head}{START}\n\n{text}\n\n{END}{rest.split(END)[1]}", encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", type=Path)
-    parser.add_argument("--command", default="make chaos-all", help="the command that ran them")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args(argv)
     reports = [json.loads((folder / "report.json").read_text()) for folder in args.folders]
-    text = table(reports, args.command)
+    text = table(reports)
     print(text)
     if args.write_docs:
-        write_section(text, DOC)
+        write_table(text)
     return 0
 
 

@@ -1,7 +1,7 @@
-"""The soak's Dramatiq worker app (``dramatiq bench.chaos.dramatiq_app``), configured by
-``CHAOS_CONFIG`` (see :mod:`bench.chaos.common`).
+"""The soak's Dramatiq worker app (``dramatiq tools.soak.dramatiq_app``), configured by
+``CHAOS_CONFIG`` (see :mod:`tools.soak.common`).
 
-``pay(key)`` and ``child(key)`` as in :mod:`bench.chaos.celery_app`; Retries with a short
+``pay(key)`` and ``child(key)`` as in :mod:`tools.soak.celery_app`; Retries with a short
 backoff and many retries, so no message is given up while faults pass. The Redis broker
 requeues a silent worker's messages after 10 s (``heartbeat_timeout``), with maintenance on
 every tenth fetch so that happens promptly.
@@ -16,8 +16,8 @@ from dramatiq.brokers.redis import RedisBroker
 from dramatiq.middleware import CurrentMessage
 
 import taskonce
-from bench.chaos.common import Config, Ledger
 from taskonce.dramatiq_ext import IdempotencyMiddleware
+from tools.soak.common import Config, Ledger
 
 CONFIG = Config.from_env()
 

@@ -27,7 +27,7 @@ rows and the broker holds no message (the *drain*), and checks the ledger key by
 Output: a run folder (``events.jsonl``, ``faults.jsonl``, the workers' logs, ``report.json``)
 and one summary line. Exit status 0 only if the promise held.
 
-Run: ``.venv/bin/python -m bench.chaos.soak --framework celery --store postgresql``
+Run: ``.venv/bin/python -m tools.soak.soak --framework celery --store postgresql``
 (``make chaos`` runs the long runs). Every server the soak stops is its own, stopped by pid;
 the shared PostgreSQL is touched only through this run's own tables and backends.
 """
@@ -60,10 +60,10 @@ import redis
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.chaos.common import Config, create_tables, drop_tables  # noqa: E402
 from taskonce.handoff import derive_id  # noqa: E402
 from taskonce.keys import make_key  # noqa: E402
 from taskonce.worker import LIVENESS_WINDOW  # noqa: E402
+from tools.soak.common import Config, create_tables, drop_tables  # noqa: E402
 
 PG_URL = os.environ.get("TASKONCE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
 FAULTS = (
@@ -195,13 +195,13 @@ class WorkerGroup:
         if self.framework == "celery":
             name = f"chaos{self.index}g{self.generation}-{uuid.uuid4().hex[:4]}@%h"
             command = [
-                sys.executable, "-m", "celery", "-A", "bench.chaos.celery_app", "worker",
+                sys.executable, "-m", "celery", "-A", "tools.soak.celery_app", "worker",
                 "-P", "prefork", "-c", "2", "-n", name, "--without-gossip",
                 "--without-mingle", "--without-heartbeat", "-l", "INFO",
             ]  # fmt: skip
         else:
             command = [
-                sys.executable, "-m", "dramatiq", "bench.chaos.dramatiq_app",
+                sys.executable, "-m", "dramatiq", "tools.soak.dramatiq_app",
                 "--processes", "2", "--threads", "1", "--path", str(ROOT),
             ]  # fmt: skip
         with open(log, "ab") as out:

@@ -1,5 +1,5 @@
-"""The soak's Celery worker app (``celery -A bench.chaos.celery_app worker``), configured by
-``CHAOS_CONFIG`` (see :mod:`bench.chaos.common`).
+"""The soak's Celery worker app (``celery -A tools.soak.celery_app worker``), configured by
+``CHAOS_CONFIG`` (see :mod:`tools.soak.common`).
 
 ``chaos.pay(key)`` writes a run row, sleeps, writes its ledger row and (hand-off variant) sends
 ``chaos.child(key)``, which writes a ledger row of kind ``child``. Both are guarded, acks_late,
@@ -16,8 +16,8 @@ from typing import Any
 from celery import Celery, signals
 
 import taskonce
-from bench.chaos.common import Config, Ledger
 from taskonce.celery_ext import IdempotentTask, setup
+from tools.soak.common import Config, Ledger
 
 CONFIG = Config.from_env() if "CHAOS_CONFIG" in os.environ else None
 
