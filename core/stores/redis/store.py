@@ -167,7 +167,7 @@ class RedisStore(Store):
         own = self._owns_client and getattr(self._client.connection_pool, "max_connections", 0) > 2
         return SharedTrips(self._client, wait, self._scripts.reads(), own_connection=own)
 
-    # -- public handles for tools and benchmarks -----------------------------------------------
+    # -- a public handle for tools and benchmarks -------------------------------------------
 
     @property
     def client(self) -> redis.Redis:
@@ -176,21 +176,6 @@ class RedisStore(Store):
         the same server and connection pool. The store's own records are written only by its
         scripts; do not change them through the client."""
         return self._client
-
-    @property
-    def trips(self) -> SharedTrips | OneTrip:
-        """The transport this store's calls go through: :class:`~.trips.SharedTrips` (one
-        server, Sentinel) or :class:`~.trips.OneTrip` (a cluster)."""
-        return self._trips
-
-    @property
-    def prefix(self) -> str:
-        """The namespace of this store's keys (see the ``prefix`` parameter)."""
-        return self._prefix
-
-    def redis_key(self, key: str) -> str:
-        """The Redis name of ``key``'s record (with its bucket's hash tag on a cluster)."""
-        return self._names.record(key)
 
     # -- plumbing ------------------------------------------------------------------------------
 

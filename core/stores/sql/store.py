@@ -131,23 +131,13 @@ class SQLStore(SQLTransactions):
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _after_fork_in_child(ref))
 
-    # -- public handles for tools and benchmarks -----------------------------------------------
+    # -- a public handle for tools and benchmarks -------------------------------------------
 
     @property
     def engine(self) -> Engine:
         """The store's own SQLAlchemy engine (``AUTOCOMMIT``): for tools and benchmarks that
         need the same database and connection pool."""
         return self._engine
-
-    @property
-    def table(self) -> sa.Table:
-        """The keys table (:mod:`.schema`)."""
-        return self._table
-
-    @property
-    def live_table(self) -> sa.Table:
-        """The liveness table next to the keys table."""
-        return self._live_table
 
     # -- engines -----------------------------------------------------------------------------
 
