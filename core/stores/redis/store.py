@@ -75,7 +75,7 @@ from taskonce.stores.redis.connecting import (
 from taskonce.stores.redis.names import Names, glob_escape
 from taskonce.stores.redis.scripts import Scripts
 from taskonce.stores.redis.trips import OneTrip, SharedTrips
-from taskonce.stores.redis.wire import Code, cannot_answer, ms, optional, text
+from taskonce.stores.redis.wire import CODES, Code, cannot_answer, ms, optional, text
 
 logger = logging.getLogger("taskonce.stores.redis")
 
@@ -223,7 +223,7 @@ class RedisStore(Store):
         """The one translation of a stored record into a :class:`Record`: from the scripts'
         ``{now, st, ow, fp, rs, ca, lu, ex[, wk[, sd]]}`` reply (a scan builds the same)."""
         now = int(reply[0])
-        code = Code(text(reply[1]) or "")
+        code = CODES[text(reply[1]) or ""]
         sends = text(reply[9]) if len(reply) > 9 else None
         lease_until = int(text(reply[6]) or 0)
         remaining = 0.0

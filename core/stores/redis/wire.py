@@ -42,10 +42,11 @@ class Code(StrEnum):
     @staticmethod
     def of(value: Any) -> Code | None:
         """The code of a reply item, or None when it is none of them (a foreign key)."""
-        return _CODES.get(text(value) or "")
+        return CODES.get(text(value) or "")
 
 
-_CODES = {code.value: code for code in Code}
+#: each code by its value: a dict lookup, cheaper than ``Code(value)`` on the hot path
+CODES: dict[str, Code] = {code.value: code for code in Code}
 
 
 def cannot_answer(exc: BaseException) -> bool:
@@ -79,4 +80,4 @@ def optional(value: str | None) -> tuple[str, str]:
     return ("0", "") if value is None else ("1", value)
 
 
-__all__ = ["UNAVAILABLE", "Code", "cannot_answer", "ms", "optional", "text"]
+__all__ = ["CODES", "UNAVAILABLE", "Code", "cannot_answer", "ms", "optional", "text"]

@@ -73,6 +73,9 @@ class Stored(StrEnum):
         return Status.IN_PROGRESS if self is Stored.IN_PROGRESS else Status.COMPLETED
 
 
+_STORED: dict[str, Stored] = {stored.value: stored for stored in Stored}
+
+
 def parse_table(table: str) -> tuple[str | None, str]:
     """``(schema, name)`` of a table name; :class:`ConfigError` unless it is a plain identifier
     (letters, digits, underscore, at most 63 characters) with at most one schema prefix."""
@@ -265,7 +268,7 @@ def to_record(row: Any) -> Record:
     created_at, expires_at`` and name ``lease_remaining``, ``worker``, ``lease_until`` and
     (in full reads) ``sends``."""
     key, status, owner, fingerprint, result, created_at, expires_at = row[:7]
-    stored = Stored(status)
+    stored = _STORED[status]
     pending = stored is Stored.SENDING
     sends = row._mapping.get("sends") if pending else None
     return Record(
