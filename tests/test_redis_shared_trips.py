@@ -1,7 +1,7 @@
 """RedisStore shares round trips between threads: each caller still gets its own answer.
 
 Threads that call the store while a round trip is in flight are sent together as one
-pipeline (``taskonce.stores.redis._SharedTrips``). These tests force such a shared round trip
+pipeline (``taskonce.stores.redis.trips.SharedTrips``). These tests force such a shared round trip
 deterministically — the first caller's send is held until the others have queued behind it —
 and check that replies, errors, a Redis that went away, a flushed script cache and a fork all
 reach the right caller. All against a real Redis server.

@@ -9,8 +9,8 @@ Times in records are seconds since the epoch *by the store's clock*; ``lease_rem
 computed by the store at read time so callers never compare their own clock with the store's.
 
 A claim also records its owner's *worker identity* (:mod:`taskonce.worker`), and each worker
-process keeps a short-lived *liveness record* in the store (:meth:`Store.beat`), so a claim
-whose owner is known dead can be taken over (:meth:`Store.take_over`) before its lease runs out.
+process keeps a short-lived *liveness record* in the store (:meth:`StoreLiveness.beat`), so a claim
+whose owner is known dead can be taken over (:meth:`StoreKeys.take_over`) before its lease runs out.
 """
 
 from __future__ import annotations
@@ -34,15 +34,44 @@ MAX_WORKER_LENGTH = 255
 LIVENESS_RETENTION = 3600.0
 
 
+class StrEnum(str, enum.Enum):
+    """A ``str`` enum whose members are their values wherever text is: formatted, hashed,
+    compared and written to JSON, a member is exactly its value (Python 3.10's stand-in for
+    :class:`enum.StrEnum`). Stores' stored states and :attr:`Record.state` are these, so what
+    they write and print stays byte-for-byte the same."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
+
+
 class Status(str, enum.Enum):
-    """The state of a key in a store."""
+    """The state of a key in a store: a claim or a handled key. (Each store keeps its own
+    spelling of it, with a third value for a handled key whose sends are pending, and turns
+    it into this in one place.)"""
 
     IN_PROGRESS = "in_progress"
     COMPLETED = "completed"
 
 
+class State(StrEnum):
+    """A record in the docs' words (:attr:`Record.state`)."""
+
+    #: a claim: the key is being processed (eager)
+    CLAIMED = "claimed"
+    #: an eager claim that was completed
+    COMPLETED = "completed"
+    #: a lazy mark: the key was handled, never claimed
+    MARKED = "marked"
+
+
 class ClaimOutcome(str, enum.Enum):
-    """What :meth:`Store.claim` did."""
+    """What :meth:`StoreKeys.claim` did."""
 
     CLAIMED = "claimed"  # nothing (live) was recorded; the key is now ours
     TAKEN_OVER = "taken_over"  # an expired claim of another owner is now ours
@@ -67,12 +96,12 @@ class Record:
     marked: bool = False
 
     @property
-    def state(self) -> str:
+    def state(self) -> State:
         """The record in the docs' words: ``claimed``, ``completed`` (eager) or ``marked``
         (lazy)."""
         if self.status is Status.IN_PROGRESS:
-            return "claimed"
-        return "marked" if self.marked else "completed"
+            return State.CLAIMED
+        return State.MARKED if self.marked else State.COMPLETED
 
     #: a handled record whose deferred sends are not all published yet (the hand-off)
     sends_pending: bool = False
@@ -88,7 +117,7 @@ class Record:
 
 @dataclasses.dataclass(frozen=True)
 class Seen:
-    """A worker's liveness record as :meth:`Store.seen` reads it, by the store's clock."""
+    """A worker's liveness record as :meth:`StoreLiveness.seen` reads it, by the store's clock."""
 
     ago: float  # seconds since the worker's last liveness write
     remaining: float  # seconds until the record lapses; 0 once it has (the worker is silent)
@@ -96,7 +125,7 @@ class Seen:
 
 @dataclasses.dataclass(frozen=True)
 class SendLease:
-    """The answer of :meth:`Store.take_sends`."""
+    """The answer of :meth:`StoreSends.take_sends`."""
 
     sends: tuple[str, ...] = ()
     #: > 0 when another dispatcher holds the lease: seconds until it runs out
@@ -105,21 +134,14 @@ class SendLease:
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    """The answer of :meth:`Store.claim`: what happened, and the record found when it exists."""
+    """The answer of :meth:`StoreKeys.claim`: what happened, and the record found when it exists."""
 
     outcome: ClaimOutcome
     record: Record | None = None
 
 
-class Store(abc.ABC):
-    """A place to record claims and marks. Implementations: memory, Redis, SQL.
-
-    Stores are opened in a parent process and used in forked children (Celery prefork,
-    Dramatiq worker processes): no connection, pool or lock may cross a fork.
-    """
-
-    #: URL schemes this store accepts in :func:`taskonce.open_store`.
-    schemes: tuple[str, ...] = ()
+class StoreKeys(abc.ABC):
+    """The keys part of the store contract: claims and marks, fenced by the owner token."""
 
     @abc.abstractmethod
     def claim(
@@ -151,17 +173,6 @@ class Store(abc.ABC):
         (someone else took it over, completed or released it first). The fingerprint and
         ``created_at`` are kept; the record lives ``lease + keep_for`` from now.
         """
-
-    @abc.abstractmethod
-    def beat(self, worker: str, ttl: float) -> None:
-        """Write ``worker``'s liveness record: seen now, alive for ``ttl`` seconds (store
-        clock). The record is kept a while after it lapses so :meth:`seen` can tell how long a
-        silent worker has been silent."""
-
-    @abc.abstractmethod
-    def seen(self, worker: str) -> Seen | None:
-        """``worker``'s liveness record, or None when it has none (never written, or forgotten
-        long after it lapsed)."""
 
     @abc.abstractmethod
     def complete(
@@ -211,7 +222,30 @@ class Store(abc.ABC):
         holding their dispatch lease for ``dispatch_lease`` seconds (as in :meth:`complete`).
         """
 
-    # -- the hand-off: sends recorded with the outcome -----------------------------------------
+    @abc.abstractmethod
+    def get(self, key: str) -> Record | None:
+        """The live record of ``key``, or None (expired marks count as absent)."""
+
+
+class StoreLiveness(abc.ABC):
+    """The liveness part of the store contract: each worker process's record of being alive,
+    so a claim whose owner is known dead is taken over before its lease runs out."""
+
+    @abc.abstractmethod
+    def beat(self, worker: str, ttl: float) -> None:
+        """Write ``worker``'s liveness record: seen now, alive for ``ttl`` seconds (store
+        clock). The record is kept a while after it lapses so :meth:`seen` can tell how long a
+        silent worker has been silent."""
+
+    @abc.abstractmethod
+    def seen(self, worker: str) -> Seen | None:
+        """``worker``'s liveness record, or None when it has none (never written, or forgotten
+        long after it lapsed)."""
+
+
+class StoreSends(abc.ABC):
+    """The hand-off part of the store contract: sends recorded with the outcome
+    (:meth:`StoreKeys.complete`, :meth:`StoreKeys.mark`), then taken, published and cleared."""
 
     @abc.abstractmethod
     def take_sends(self, key: str, token: str, lease: float, older_than: float = 0.0) -> SendLease:
@@ -231,9 +265,10 @@ class Store(abc.ABC):
         """Keys whose sends have been pending for at least ``older_than`` seconds, oldest
         first, at most ``limit`` (candidates for the relay)."""
 
-    @abc.abstractmethod
-    def get(self, key: str) -> Record | None:
-        """The live record of ``key``, or None (expired marks count as absent)."""
+
+class StoreOperations(abc.ABC):
+    """The operations part of the store contract: maintenance, monitoring and the CLI's scans,
+    closing, and a description for logs."""
 
     @abc.abstractmethod
     def purge(self, batch: int = 1000) -> int:
@@ -270,6 +305,23 @@ class Store(abc.ABC):
         """A one-line description for logs and the CLI, never containing a password."""
         return type(self).__name__
 
+
+class Store(StoreKeys, StoreLiveness, StoreSends, StoreOperations):
+    """A place to record claims and marks. Implementations: memory, Redis, SQL.
+
+    The contract in four parts: :class:`StoreKeys` (claim, take_over, complete, release,
+    renew, mark, get), :class:`StoreLiveness` (beat, seen), :class:`StoreSends` (take_sends,
+    dispatched, pending_sends) and :class:`StoreOperations` (purge, stats, records,
+    keys_ending, close, describe). Stores that can write inside the caller's database
+    transaction also implement :class:`TransactionalStore`.
+
+    Stores are opened in a parent process and used in forked children (Celery prefork,
+    Dramatiq worker processes): no connection, pool or lock may cross a fork.
+    """
+
+    #: URL schemes this store accepts in :func:`taskonce.open_store`.
+    schemes: tuple[str, ...] = ()
+
     def __enter__(self) -> Store:
         return self
 
@@ -299,7 +351,7 @@ class TransactionalStore(Store):
         sends: Sequence[str] = (),
         dispatch_lease: float = 0.0,
     ) -> None:
-        """:meth:`Store.complete`, written through ``session``'s transaction (not committed)."""
+        """:meth:`StoreKeys.complete`, written through ``session``'s transaction (not committed)."""
 
     @abc.abstractmethod
     def mark_in(
@@ -313,7 +365,7 @@ class TransactionalStore(Store):
         token: str = "",
         dispatch_lease: float = 0.0,
     ) -> bool:
-        """:meth:`Store.mark`, written through ``session``'s transaction (not committed)."""
+        """:meth:`StoreKeys.mark`, written through ``session``'s transaction (not committed)."""
 
     @abc.abstractmethod
     def check_shared(self, bind: Engine | Connection, in_transaction: bool = False) -> None:

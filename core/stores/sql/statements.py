@@ -1,0 +1,371 @@
+"""The SQL store's statements, built once per table and dialect family by small builders (one
+per group: claims, liveness, fenced writes, marks, the hand-off, reads) and cached by
+SQLAlchemy's compiled cache: every value is a bound parameter, and every time is the
+database's clock (:data:`NOW_SQL`) inside the statement that acts on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql as mysql_dialect
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+
+from taskonce.stores.base import LIVENESS_RETENTION
+from taskonce.stores.sql.schema import Stored
+
+#: The database's clock as seconds since the epoch (DOUBLE), per dialect family.
+#: MariaDB/MySQL: ``UTC_TIMESTAMP(6)`` measured from the epoch is independent of the session
+#: time zone (``UNIX_TIMESTAMP(NOW(6))`` is off by an hour in a DST fall-back hour).
+NOW_SQL = {
+    "postgresql": "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)",
+    "mysql": "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) / 1e6)",
+    "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
+}
+
+#: The oldest SQLite with ``INSERT … ON CONFLICT DO NOTHING``; older ones use ``OR IGNORE``.
+SQLITE_UPSERT = (3, 24, 0)
+
+_DOUBLE: sa.Double[float] = sa.Double()
+
+
+class _Binds:
+    """The bound parameters and literals the statements share."""
+
+    def __init__(self, family: str) -> None:
+        self.now: sa.ColumnElement[float] = sa.literal_column(NOW_SQL[family], type_=_DOUBLE)
+        self.key = sa.bindparam("p_key", type_=sa.String())
+        self.owner = sa.bindparam("p_owner", type_=sa.String())
+        self.fingerprint = sa.bindparam("p_fingerprint", type_=sa.String())
+        self.result = sa.bindparam("p_result", type_=sa.Text())
+        self.lease = sa.bindparam("p_lease", type_=_DOUBLE)
+        self.keep = sa.bindparam("p_keep", type_=_DOUBLE)
+        self.seen_owner = sa.bindparam("p_seen_owner", type_=sa.String())
+        self.seen_status = sa.bindparam("p_seen_status", type_=sa.String())
+        self.worker = sa.bindparam("p_worker", type_=sa.String())
+        self.sends = sa.bindparam("p_sends", type_=sa.Text())
+        self.token = sa.bindparam("p_token", type_=sa.String())
+        self.age = sa.bindparam("p_age", type_=_DOUBLE)
+        self.send_lease = sa.bindparam("p_send_lease", type_=_DOUBLE)
+        self.in_progress = sa.literal(Stored.IN_PROGRESS.value, sa.String())
+        self.completed = sa.literal(Stored.COMPLETED.value, sa.String())
+        self.sending = sa.literal(Stored.SENDING.value, sa.String())
+        self.zero = sa.literal(0.0, _DOUBLE)
+
+    def with_sends(self) -> dict[str, Any]:
+        """The columns a write with deferred sends sets: pending, dispatch lease held."""
+        return {
+            "status": self.sending,
+            "sends": self.sends,
+            "sends_token": self.token,
+            "sends_at": self.now,
+            "sends_lease": self.now + self.send_lease,
+        }
+
+
+class Statements:
+    """The statements of one table on one dialect family.
+
+    :param table: the keys table. :param live_table: the liveness table.
+    :param family: ``postgresql``, ``mysql`` or ``sqlite``.
+    :param sqlite_upsert: whether SQLite has ``INSERT … ON CONFLICT DO NOTHING``.
+    """
+
+    def __init__(
+        self, table: sa.Table, live_table: sa.Table, family: str, sqlite_upsert: bool
+    ) -> None:
+        self.family = family
+        self._table = table
+        self._sqlite_upsert = sqlite_upsert
+        b = self._b = _Binds(family)
+        self.now = b.now
+        c = table.c
+        self.lease_remaining = sa.case(
+            (sa.and_(c.status == b.in_progress, c.lease_until > b.now), c.lease_until - b.now),
+            else_=b.zero,
+        )
+        self._claims(table)
+        self._liveness(live_table)
+        self._fenced(table)
+        self._marks(table)
+        self._handoff(table)
+        self._reads(table)
+
+    def _insert_if_absent(self, into: sa.Table, values: Mapping[str, Any]) -> sa.Insert:
+        """An INSERT that inserts nothing when the primary key is taken. Its cursor is closed
+        at once (no RETURNING), so its rowcount (1 = inserted, 0 = a record was in the way) is
+        kept explicitly."""
+        primary = list(into.primary_key.columns)
+        insert: sa.Insert
+        if self.family == "postgresql":
+            insert = (
+                pg_dialect.insert(into)
+                .values(values)
+                .on_conflict_do_nothing(index_elements=primary)
+            )
+        elif self.family == "sqlite" and self._sqlite_upsert:
+            insert = (
+                sqlite_dialect.insert(into)
+                .values(values)
+                .on_conflict_do_nothing(index_elements=primary)
+            )
+        elif self.family == "sqlite":
+            insert = sa.insert(into).values(values).prefix_with("OR IGNORE")
+        else:
+            insert = sa.insert(into).values(values).prefix_with("IGNORE")
+        return insert.execution_options(preserve_rowcount=True)
+
+    def _claims(self, table: sa.Table) -> None:
+        """A claim: insert if absent, read what is in the way, replace an expired record, take
+        over a claim whose lease ran out, or hand on one whose owner is known dead."""
+        b, c = self._b, table.c
+        claimed = {
+            "status": b.in_progress,
+            "owner": b.owner,
+            "fingerprint": b.fingerprint,
+            "result": sa.null(),
+            "created_at": b.now,
+            "lease_until": b.now + b.lease,
+            "expires_at": b.now + b.lease + b.keep,
+            "worker": b.worker,
+        }
+        self.claim_insert = self._insert_if_absent(table, {"key": b.key, **claimed})
+        self.read = sa.select(
+            c.key,
+            c.status,
+            c.owner,
+            c.fingerprint,
+            c.result,
+            c.created_at,
+            c.expires_at,
+            c.lease_until,
+            self.lease_remaining.label("lease_remaining"),
+            b.now.label("db_now"),
+            c.worker,
+        ).where(c.key == b.key)
+        # An expired record (mark or claim) counts as absent: replace it wholesale, provided
+        # it is still the record that was read and still expired.
+        self.claim_replace_expired = (
+            sa.update(table)
+            .where(
+                c.key == b.key,
+                c.status == b.seen_status,
+                c.owner.is_not_distinct_from(b.seen_owner),
+                c.expires_at <= b.now,
+            )
+            .values(**claimed)
+        )
+        # A live record whose claim's lease ran out: take it over (created_at is kept).
+        self.claim_take_over = (
+            sa.update(table)
+            .where(
+                c.key == b.key,
+                c.status == b.in_progress,
+                c.owner == b.seen_owner,
+                c.lease_until <= b.now,
+                c.expires_at > b.now,
+            )
+            .values({k: v for k, v in claimed.items() if k not in ("status", "created_at")})
+        )
+        # A live claim whose owner is known dead: hand it on, fenced by the owner read.
+        self.take_over = (
+            sa.update(table)
+            .where(
+                c.key == b.key,
+                c.status == b.in_progress,
+                c.owner == b.seen_owner,
+                c.expires_at > b.now,
+            )
+            .values(
+                owner=b.owner,
+                worker=b.worker,
+                lease_until=b.now + b.lease,
+                expires_at=b.now + b.lease + b.keep,
+            )
+        )
+
+    def _liveness(self, live_table: sa.Table) -> None:
+        """A worker's liveness record: written (update, else insert), read, purged."""
+        b, lc = self._b, live_table.c
+        ttl = sa.bindparam("p_ttl", type_=_DOUBLE)
+        self.beat_update = (
+            sa.update(live_table)
+            .where(lc.worker == b.worker)
+            .values(seen_at=b.now, alive_until=b.now + ttl)
+        )
+        self.beat_insert = self._insert_if_absent(
+            live_table, {"worker": b.worker, "seen_at": b.now, "alive_until": b.now + ttl}
+        )
+        self.seen = sa.select(
+            (b.now - lc.seen_at).label("ago"), (lc.alive_until - b.now).label("remaining")
+        ).where(lc.worker == b.worker)
+        retention = sa.literal(LIVENESS_RETENTION, _DOUBLE)
+        self.purge_live = sa.delete(live_table).where(lc.alive_until + retention <= b.now)
+
+    def _fenced(self, table: sa.Table) -> None:
+        """The writes after a claim, each fenced by the owner token: complete, release,
+        renew (and an operator's release of whatever is recorded)."""
+        b, c = self._b, table.c
+        fence = (
+            c.key == b.key,
+            c.owner == b.owner,
+            c.status == b.in_progress,
+            c.expires_at > b.now,
+        )
+        self.complete = (
+            sa.update(table)
+            .where(*fence)
+            .values(
+                # lease_until stays: it tells an eager completion from a lazy mark (0)
+                status=b.completed,
+                owner=sa.null(),
+                worker=sa.null(),
+                result=b.result,
+                expires_at=b.now + b.keep,
+            )
+        )
+        self.complete_sends = self.complete.values(b.with_sends())
+        self.release = sa.delete(table).where(*fence)
+        self.release_any = sa.delete(table).where(c.key == b.key)
+        # MariaDB/MySQL evaluate SET assignments left to right, seeing earlier assignments:
+        # expires_at must be computed from the old lease_until, so it comes first.
+        extension = b.now + b.lease - c.lease_until
+        self.renew = (
+            sa.update(table)
+            .where(*fence)
+            .ordered_values(
+                (c.expires_at, c.expires_at + sa.case((extension > 0, extension), else_=b.zero)),
+                (c.lease_until, b.now + b.lease),
+            )
+        )
+
+    def _marks(self, table: sa.Table) -> None:
+        """A lazy mark: insert if absent, else replace an expired record; with sends too."""
+        b, c = self._b, table.c
+        marked = {
+            "status": b.completed,
+            "owner": sa.null(),
+            "fingerprint": b.fingerprint,
+            "result": b.result,
+            "created_at": b.now,
+            "lease_until": b.zero,
+            "expires_at": b.now + b.keep,
+        }
+        self.mark_insert = self._insert_if_absent(table, {"key": b.key, **marked})
+        self.mark_replace_expired = (
+            sa.update(table)
+            .where(c.key == b.key, c.expires_at <= b.now)
+            .values(**marked, worker=sa.null())
+        )
+        self.mark_insert_sends = self._insert_if_absent(
+            table, {"key": b.key, **marked, **b.with_sends()}
+        )
+        self.mark_replace_expired_sends = self.mark_replace_expired.values(b.with_sends())
+        live = sa.case((c.expires_at > b.now, 1), else_=0).label("live")
+        self.liveness = sa.select(live).where(c.key == b.key)
+        # Inside a REPEATABLE READ transaction (InnoDB) a plain SELECT reads an old snapshot;
+        # a locking read sees the latest committed row.
+        self.liveness_locking = (
+            self.liveness.with_for_update(read=True) if self.family == "mysql" else self.liveness
+        )
+
+    def _handoff(self, table: sa.Table) -> None:
+        """The hand-off: take the dispatch lease of pending sends, read them, clear them once
+        published, and list the keys whose sends are pending (the relay)."""
+        b, c = self._b, table.c
+        pending = sa.and_(c.key == b.key, c.status == b.sending, c.sends_at <= b.now - b.age)
+        self.take_sends = (
+            sa.update(table)
+            .where(
+                pending,
+                sa.or_(c.sends_lease.is_(None), c.sends_lease <= b.now, c.sends_token == b.token),
+            )
+            .values(sends_token=b.token, sends_lease=b.now + b.lease)
+        )
+        self.read_sends = sa.select(
+            c.sends, c.sends_token, sa.func.coalesce(c.sends_lease, b.zero) - b.now
+        ).where(pending)
+        self.dispatched = (
+            sa.update(table)
+            .where(c.key == b.key, c.status == b.sending, c.sends_token == b.token)
+            .values(
+                status=b.completed,
+                sends=sa.null(),
+                sends_token=sa.null(),
+                sends_at=sa.null(),
+                sends_lease=sa.null(),
+            )
+        )
+        self.pending = (
+            sa.select(c.key)
+            .where(c.status == b.sending, c.sends_at <= b.now - b.age)
+            .order_by(c.sends_at)
+            .limit(sa.bindparam("p_limit", type_=sa.Integer()))
+        )
+
+    def _reads(self, table: sa.Table) -> None:
+        """Reads of live records (one key, or keys matching a LIKE pattern) and the counts."""
+        b, c = self._b, table.c
+        record_columns = (
+            c.key,
+            c.status,
+            c.owner,
+            c.fingerprint,
+            c.result,
+            c.created_at,
+            c.expires_at,
+            self.lease_remaining.label("lease_remaining"),
+            c.worker,
+            c.lease_until,
+            c.sends,
+        )
+        self.get = sa.select(*record_columns).where(c.key == b.key, c.expires_at > b.now)
+        # p_pattern: a LIKE pattern with "/" as its escape character (see SQLStore.records)
+        pattern = sa.bindparam("p_pattern", type_=sa.String())
+        self.records = sa.select(*record_columns).where(
+            c.key.like(pattern, escape="/"), c.expires_at > b.now
+        )
+
+        def count(condition: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
+            return sa.func.coalesce(sa.func.sum(sa.case((condition, 1), else_=0)), 0)
+
+        alive = c.expires_at > b.now
+        self.stats = sa.select(
+            count(alive).label("keys"),
+            count(sa.and_(alive, c.status == b.in_progress)).label("in_progress"),
+            count(sa.and_(alive, c.status != b.in_progress)).label("completed"),
+            count(c.expires_at <= b.now).label("expired"),
+            count(c.status == b.sending).label("sends_pending"),
+        )
+
+    def purge(self, batch: int) -> sa.Executable:
+        """Delete at most ``batch`` expired rows (the expiry is re-checked on the deleted rows,
+        so a row re-claimed meanwhile survives)."""
+        c = self._table.c
+        # A record whose sends are pending is kept until the relay publishes them.
+        expired = sa.and_(c.expires_at <= self.now, c.status != Stored.SENDING.value)
+        if self.family == "mysql":
+            # MariaDB/MySQL refuse LIMIT inside IN (subquery) but allow DELETE … LIMIT, which
+            # SQLAlchemy spells differently across 2.0.x/2.1; the identifiers are validated
+            # and quoted, the limit is a bound parameter.
+            preparer = mysql_dialect.dialect().identifier_preparer
+            table_sql = preparer.format_table(self._table)  # validated by the schema, quoted
+            return (
+                sa.text(
+                    f"DELETE FROM {table_sql} "  # noqa: S608 - no value is interpolated
+                    f"WHERE {preparer.quote('expires_at')} <= {NOW_SQL['mysql']} "
+                    f"AND {preparer.quote('status')} <> '{Stored.SENDING.value}' LIMIT :p_batch"
+                )
+                .bindparams(sa.bindparam("p_batch", value=batch, type_=sa.Integer()))
+                .execution_options(preserve_rowcount=True)
+            )
+        chosen = sa.select(c.key).where(expired).limit(batch)
+        if self.family == "postgresql":
+            chosen = chosen.with_for_update(skip_locked=True)
+        return sa.delete(self._table).where(c.key.in_(chosen.scalar_subquery()), expired)
+
+
+__all__ = ["NOW_SQL", "SQLITE_UPSERT", "Statements"]
