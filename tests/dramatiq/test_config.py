@@ -24,8 +24,10 @@ from taskonce.dramatiq_ext import (
     MiddlewareOrderError,
     StoreDown,
 )
-from taskonce.dramatiq_ext.redelivery import STORE_ERRORS_OPTION
+from taskonce.dramatiq_ext.middleware import EXIT_CONFIG
+from taskonce.dramatiq_ext.redelivery import DEFERRED_OPTION, STORE_ERRORS_OPTION
 from taskonce.errors import StoreUnavailable
+from taskonce.guard import FIRST_RECHECK
 from taskonce.stores import MemoryStore
 from tests.dramatiq.conftest import REDIS_REDIS, Worker, make_config
 from tests.helpers import wait_for
@@ -164,9 +166,12 @@ def test_real_worker_with_wrong_order_refuses_to_boot(tmp_path: Path) -> None:
     worker = Worker(config, tmp_path / "worker.log").start()
     try:
         wait_for(lambda: not worker.alive, timeout=30, what="the worker to refuse to boot")
-        assert worker.proc is not None and worker.proc.returncode != 0
-        assert "MiddlewareOrderError" in worker.output()
-        assert "must come after Retries" in worker.output()
+        output = worker.output()
+        # one line and EX_CONFIG (before: a traceback of MiddlewareOrderError, status 1)
+        assert worker.proc is not None and worker.proc.returncode == EXIT_CONFIG, output
+        assert "Traceback" not in output
+        (line,) = [line for line in output.splitlines() if "does not start" in line]
+        assert "must come after Retries" in line
     finally:
         worker.kill()
 
@@ -292,7 +297,9 @@ def test_deferred_duplicate_does_not_count_against_max_retries(
         middleware.before_process_message(broker, second)
     copy = dramatiq.Message.decode(broker.queues["default.DQ"].get_nowait())
     assert copy.options["retries"] == 0
-    assert 4500 <= copy.options["eta"] - time.time() * 1000 <= 5100  # the lease's remaining 5 s
+    # the claim has just begun: looked at again after FIRST_RECHECK, not the lease's 5 s
+    assert 100 <= copy.options["eta"] - time.time() * 1000 <= FIRST_RECHECK * 1000 + 100
+    assert copy.options[DEFERRED_OPTION] == 1  # a deferral of this copy is a re-check
     assert second.options["store_results"] is False  # this delivery never writes Results
     assert "store_results" not in copy.options
     middleware.after_skip_message(broker, second)  # not this middleware's claim: no-op
