@@ -23,6 +23,15 @@ from urllib.parse import quote
 
 from taskonce.errors import ConfigError, TaskonceError
 from taskonce.events import JsonlEvents
+from taskonce.exits import (
+    EXIT_BUG,
+    EXIT_CODES,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    extra_hint,
+)
 from taskonce.guard import Guard
 from taskonce.keys import _escape_queue, make_key
 from taskonce.stores import Store, open_store, redact
@@ -32,27 +41,6 @@ DEFAULT_STORE = f"sqlite:///{DEFAULT_STORE_PATH}"
 _SQL_SCHEMES = ("sqlite", "postgresql", "postgres", "mysql", "mariadb")
 
 logger = logging.getLogger("taskonce.cli")
-
-# Exit statuses, the same for every command (EXIT_CODES is in --help and docs/operations.md).
-EXIT_OK = 0  # done
-EXIT_NOT_FOUND = 1  # ran, and the answer is "not there": no live record for KEY
-EXIT_ERROR = 2  # could not run as asked: usage, configuration, store unreachable
-EXIT_BUG = 70  # an unexpected error (sysexits' EX_SOFTWARE): its traceback is on stderr
-EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
-EXIT_CODES = f"""\
-exit status, the same for every command:
-  {EXIT_OK:<4} done (purge and relay too when there was nothing to do)
-  {EXIT_NOT_FOUND:<4} not there: inspect/release found no live record for KEY (the
-       live keys it may have meant are suggested); audit --fail-on-leak
-       found a problem; the demo's exactly-once check failed
-  {EXIT_ERROR:<4} could not run as asked, said in one line on stderr: bad arguments,
-       a store URL or option refused, a missing extra (pip install
-       'taskonce[sql]'), no store at that path, the store did not answer
-  {EXIT_BUG:<4} an unexpected error (its traceback on stderr)
-  {EXIT_INTERRUPTED:<4} interrupted (Ctrl-C); relay, which runs until stopped, exits 0
-
-Store keys are QUEUE:ID (e.g. celery:<task id>), or the message id alone with
-identity="id"; inspect/release --queue QUEUE ID build the first form."""
 
 #: How a store key is written, for "no live record" answers.
 KEY_FORM = (
@@ -542,31 +530,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: The extra that installs each optional top-level module.
-_EXTRAS = {
-    "redis": "redis",
-    "sqlalchemy": "sql",
-    "psycopg": "sql",
-    "pymysql": "sql",
-    "celery": "celery",
-    "kombu": "celery",
-    "dramatiq": "dramatiq",
-    "pika": "dramatiq",
-    "pyspark": "spark",
-    "prometheus_client": "prometheus",
-    "opentelemetry": "otel",
-}
-
-
-def _extra_hint(exc: ImportError) -> str:
-    """Which extra installs the module ``exc`` misses (``taskonce[all]`` only when unknown)."""
-    top = (exc.name or "").partition(".")[0]
-    extra = _EXTRAS.get(top)
-    if extra is None:
-        return "install the matching extra, e.g. pip install 'taskonce[all]'"
-    return f"it comes with the {extra!r} extra: pip install 'taskonce[{extra}]'"
-
-
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Entry point of the ``taskonce`` console script; returns the exit code."""
     out = out or sys.stdout
@@ -590,7 +553,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         sys.stderr.write(f"taskonce: error: {exc}\n")
         return EXIT_ERROR
     except ImportError as exc:
-        sys.stderr.write(f"taskonce: error: {exc} ({_extra_hint(exc)})\n")
+        sys.stderr.write(f"taskonce: error: {exc} ({extra_hint(exc)})\n")
         return EXIT_ERROR
     except KeyboardInterrupt:
         sys.stderr.write("taskonce: interrupted\n")
