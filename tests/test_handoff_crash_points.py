@@ -34,7 +34,7 @@ import taskonce
 from taskonce import handoff
 from taskonce.errors import InProgressElsewhere
 from taskonce.guard import Delivery
-from taskonce.stores.base import Claim, Record, Seen, SendLease, Store
+from taskonce.stores.base import Claim, Record, Seen, SendLease, Store, TransactionalStore
 from tests.helpers import STORE_KINDS, drop_store, make_store
 
 K = 3  # children per parent
@@ -199,8 +199,16 @@ class KillableStore(Store):
         self.inner.close()
 
 
-class KillableSQLStore(KillableStore):
+class KillableSQLStore(KillableStore, TransactionalStore):
     """The same for an SQL store in transactional mode: the commit is a call of the sequence."""
+
+    def check_shared(self, bind: Any, in_transaction: bool = False) -> None:
+        inner: Any = self.inner
+        inner.check_shared(bind, in_transaction)
+
+    def record_sends_in(self, connection: Any, key: str, *args: Any) -> None:
+        inner: Any = self.inner
+        inner.record_sends_in(connection, key, *args)
 
     def open_session(self) -> Any:
         session = self.inner.open_session()  # type: ignore[attr-defined]
