@@ -85,6 +85,16 @@ def write_outputs(
 def write_tables(spark: SparkSession, result: AuditResult, folder: Path) -> None:
     """The Parquet tables: small ones from the collected figures, large ones straight from
     Spark (never through the driver)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    uri = folder.resolve().as_uri()
+    _write_scope_tables(spark, result, uri)
+    _write_what_if(spark, result, uri)
+    for name in ("duplicates", "leaks", "stuck_claims", "timeline"):
+        result.tables[name].write.mode("overwrite").parquet(f"{uri}/{name}")
+
+
+def _write_scope_tables(spark: SparkSession, result: AuditResult, uri: str) -> None:
+    """The ``metrics`` (one row per scope) and ``gap_buckets`` (per scope and bucket) tables."""
     from pyspark.sql.types import (
         DoubleType,
         LongType,
@@ -92,9 +102,6 @@ def write_tables(spark: SparkSession, result: AuditResult, folder: Path) -> None
         StructField,
         StructType,
     )
-
-    folder.mkdir(parents=True, exist_ok=True)
-    uri = folder.resolve().as_uri()
 
     metric_fields = [
         StructField("scope", StringType(), False),
@@ -141,6 +148,17 @@ def write_tables(spark: SparkSession, result: AuditResult, folder: Path) -> None
             ]
         ),
     ).coalesce(1).write.mode("overwrite").parquet(f"{uri}/gap_buckets")
+
+
+def _write_what_if(spark: SparkSession, result: AuditResult, uri: str) -> None:
+    """The ``what_if`` table: one row per simulated window, a bytes column per store."""
+    from pyspark.sql.types import (
+        DoubleType,
+        LongType,
+        StructField,
+        StructType,
+    )
+
     stores = sorted(result.info["bytes_per_key"])
     what_if_schema = StructType(
         [
@@ -164,8 +182,6 @@ def write_tables(spark: SparkSession, result: AuditResult, folder: Path) -> None
     spark.createDataFrame(what_if_rows, what_if_schema).coalesce(1).write.mode("overwrite").parquet(
         f"{uri}/what_if"
     )
-    for name in ("duplicates", "leaks", "stuck_claims", "timeline"):
-        result.tables[name].write.mode("overwrite").parquet(f"{uri}/{name}")
 
 
 def _slug(name: str) -> str:
@@ -304,11 +320,26 @@ _GAP_COLUMNS = (
 )
 
 
-def _sections(result: AuditResult) -> list[tuple[str, list[str], list[list[str]], str]]:
+#: One table of the readable reports: (title, header, rows, note).
+Section = tuple[str, list[str], list[list[str]], str]
+
+
+def _sections(result: AuditResult) -> list[Section]:
     """(title, header, rows, note) of every table of the readable reports."""
+    return [
+        *_overall_sections(result),
+        *_scope_sections(result),
+        *_what_if_sections(result),
+        *_sends_sections(result),
+        *_sample_sections(result),
+    ]
+
+
+def _overall_sections(result: AuditResult) -> list[Section]:
+    """The overall figures and the redelivery gaps' buckets."""
     overall = result.report["overall"]
     detail = _with_advice(result, "overall", "", result.details["overall"])
-    sections: list[tuple[str, list[str], list[list[str]], str]] = []
+    sections: list[Section] = []
     sections.append(
         (
             "Overall",
@@ -328,6 +359,12 @@ def _sections(result: AuditResult) -> list[tuple[str, list[str], list[list[str]]
             "with a known first run.",
         )
     )
+    return sections
+
+
+def _scope_sections(result: AuditResult) -> list[Section]:
+    """Per queue and per task: the counts, then the gaps and windows."""
+    sections: list[Section] = []
     for plural in ("queues", "tasks"):
         for suffix, columns in (("", _SUMMARY_COLUMNS), (" — gaps and windows", _GAP_COLUMNS)):
             header, rows, total = _scope_table(result, plural, columns)
@@ -338,6 +375,12 @@ def _sections(result: AuditResult) -> list[tuple[str, list[str], list[list[str]]
                 else ""
             )
             sections.append((f"Per {plural[:-1]}{suffix}", header, rows, note))
+    return sections
+
+
+def _what_if_sections(result: AuditResult) -> list[Section]:
+    """The what-if windows (none without any)."""
+    sections: list[Section] = []
     if result.what_if:
         stores = sorted(result.info["bytes_per_key"])
         sections.append(
@@ -360,6 +403,12 @@ def _sections(result: AuditResult) -> list[tuple[str, list[str], list[list[str]]
                 "× window.",
             )
         )
+    return sections
+
+
+def _sends_sections(result: AuditResult) -> list[Section]:
+    """The hand-off's and the producer outbox's figures (each only when it has records)."""
+    sections: list[Section] = []
     handoff = result.report.get("handoff") or {}
     if handoff.get("records_deferred") or handoff.get("discarded"):
         sections.append(
@@ -399,6 +448,13 @@ def _sections(result: AuditResult) -> list[tuple[str, list[str], list[list[str]]
                 "after the commit, or by the relay after a crash or a broker outage).",
             )
         )
+    return sections
+
+
+def _sample_sections(result: AuditResult) -> list[Section]:
+    """The samples of leaked keys and stuck claims."""
+    overall = result.report["overall"]
+    sections: list[Section] = []
     sections.append(
         (
             "Leaked keys",

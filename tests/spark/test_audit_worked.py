@@ -193,7 +193,8 @@ def test_output_folder(run: tuple[AuditResult, Path], spark: Any) -> None:
 def test_grouped_classification_is_the_windows(spark: Any, tmp_path: Path) -> None:
     """The audit classifies each event from its key's grouped row (no window); every valid
     event gets the same classification as :func:`classify`'s window over the key's timeline."""
-    from taskonce.spark_ext.audit import _classified_events, classify, group_by_key
+    from taskonce.spark_ext.classification import classified_events as _classified_events
+    from taskonce.spark_ext.classification import classify, group_by_key
     from taskonce.spark_ext.inputs import read_events
 
     events = read_events(
