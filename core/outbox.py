@@ -18,20 +18,118 @@ import logging
 import secrets
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from taskonce import handoff
-from taskonce.errors import ConfigError
-from taskonce.guard import OUTBOX_PREFIX, Guard, OutboxRow, publishing_guards
-from taskonce.handoff import Capture
+from taskonce.errors import ConfigError, StoreUnavailable
+from taskonce.events import Event, Sinks, make_event
+from taskonce.handoff import Capture, Send
 from taskonce.stores.base import TransactionalStore
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
     from sqlalchemy.orm import Session
 
+    from taskonce.dispatch import Dispatcher
+    from taskonce.guard import Guard
+
 logger = logging.getLogger("taskonce")
+
+#: The guards that frameworks registered publishers with, in this process: where
+#: :func:`taskonce.send_on_commit` finds its guard when none is named.
+_PUBLISHING: weakref.WeakSet[Guard] = weakref.WeakSet()
+
+
+def publishing_guards() -> list[Guard]:
+    """The live guards of this process that a framework registered a publisher with."""
+    return list(_PUBLISHING)
+
+
+#: Keys of the producer outbox's records (:func:`taskonce.send_on_commit`) start with this.
+OUTBOX_PREFIX = "outbox:"
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxRow:
+    """One send of the producer outbox, written in an application's transaction.
+
+    :param key: its record's key (``outbox:<uuid>``).
+    :param token: the dispatch token it was written with (holding its dispatch lease).
+    :param text: the send's JSON text.
+    :param verify: read the record back before publishing (it was written inside a savepoint
+        that may have been rolled back).
+    """
+
+    key: str
+    token: str
+    text: str
+    verify: bool = False
+
+
+def outbox_event(
+    sinks: Sinks,
+    name: Event,
+    key: str,
+    texts: Sequence[str],
+    lease_s: float,
+    keep_for_s: float,
+) -> None:
+    """A producer's event: no incoming message, so ``key`` is None; ``message_id`` names the
+    outbox record, ``framework`` the sends' framework (one event per framework)."""
+    if sinks.quiet(name):
+        return
+    counts: dict[str, int] = {}
+    for text in texts:
+        framework = Send.from_json(text).framework
+        counts[framework] = counts.get(framework, 0) + 1
+    for framework, count in counts.items():
+        sinks.send(
+            make_event(
+                name,
+                message_id=key,
+                framework=framework,
+                lease_s=lease_s,
+                keep_for_s=keep_for_s,
+                count=count,
+            )
+        )
+
+
+def dispatch_committed(dispatcher: Dispatcher, rows: Sequence[OutboxRow]) -> int:
+    """Publish the sends of outbox records whose transaction just committed, in order, and
+    mark each dispatched; the number published. Never raises: a send that could not be
+    published (broker down, store blip) stays pending for the relay, whose lease on it is let
+    go at once."""
+    for row in rows:
+        dispatcher.outbox_event(Event.SENDS_DEFERRED, row.key, (row.text,))
+    published = 0
+    for index, row in enumerate(rows):
+        try:
+            if (
+                row.verify
+                and not dispatcher.store.take_sends(row.key, row.token, dispatcher.lease).sends
+            ):
+                dispatcher.outbox_event(Event.SENDS_DISCARDED, row.key, (row.text,))
+                continue  # rolled back with its savepoint
+        except StoreUnavailable:
+            logger.warning("could not read outbox record %s back; the relay will", row.key)
+            dispatcher.let_go((row.key, row.token) for row in rows[index + 1 :])
+            break
+        if not dispatcher.dispatch(row.key, row.token, (row.text,)):
+            dispatcher.let_go((row.key, row.token) for row in rows[index + 1 :])
+            break
+        published += 1
+        dispatcher.outbox_event(Event.SENDS_DISPATCHED, row.key, (row.text,))
+    return published
+
+
+def discard_uncommitted(dispatcher: Dispatcher, rows: Sequence[OutboxRow]) -> None:
+    """Forget outbox records whose transaction rolled back (nothing of them was stored)."""
+    for row in rows:
+        dispatcher.outbox_event(Event.SENDS_DISCARDED, row.key, (row.text,))
+
 
 #: Where a Session keeps its outbox state (``Session.info``).
 _INFO_KEY = "taskonce_outbox"
@@ -226,6 +324,8 @@ def send_on_commit(
 
 
 def _guard_for(guard: Guard | None) -> Guard:
+    from taskonce.guard import Guard  # the guard imports this module
+
     if guard is not None:
         if not isinstance(guard, Guard):
             raise ConfigError(
