@@ -17,8 +17,10 @@ import logging
 import secrets
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
+from taskonce import worker
 from taskonce.dispatch import Dispatcher
 from taskonce.errors import (
     ConfigError,
@@ -100,7 +102,8 @@ class Guard:
         _check_store(store)
         check_send_limit(send_limit)
         self.store = store
-        self.policies = Policies(default, queues, self._check_store_supports)
+        # No bound method: a dropped guard must go by reference counting (its liveness stops).
+        self.policies = Policies(default, queues, partial(_check_supports, store))
         self.default = self.policies.default
         self.queues = self.policies.queues
         self.sinks = Sinks([LoggingEvents()])
@@ -172,18 +175,9 @@ class Guard:
         """Stop the sweep :meth:`start_relay` started in this process (waits up to ``timeout``)."""
         self._relay.stop(timeout)
 
-    # -- policies --------------------------------------------------------------------------
-
     def policy_for(self, queue: str, override: Policy | Mapping[str, Any] | None = None) -> Policy:
         """The policy in force for ``queue``, with a per-task ``override`` applied."""
         return self.policies.resolve(queue, override)
-
-    def _check_store_supports(self, policy: Policy) -> None:
-        if policy.transactional and not isinstance(self.store, TransactionalStore):
-            raise ConfigError(
-                f"Policy.transactional=True needs an SQL store; {self.store.describe()} has no "
-                "database transaction to share"
-            )
 
     # -- before the handler ----------------------------------------------------------------
 
@@ -515,7 +509,8 @@ class Guard:
     def close(self) -> None:
         """Stop this guard's threads (liveness record, lease renewals, relay) and close the
         store."""
-        self._liveness.stop(timeout=5)
+        live = self._liveness  # waited for, unless it is a stand-in (tests)
+        live.stop(timeout=5) if isinstance(live, worker.Liveness) else live.stop()
         self._heartbeat.stop(timeout=5)
         self.stop_relay(timeout=5)
         self.store.close()
@@ -533,8 +528,6 @@ class Guard:
         :raises StoreUnavailable: it did not answer in time (the message says so in one line).
         """
         wait_for_store(lambda: self.store.seen(identity_text()), self.store.describe(), timeout)
-
-    # -- internals -------------------------------------------------------------------------
 
     def _renew(self, ticket: Ticket) -> None:
         assert ticket.key is not None and ticket.owner is not None
@@ -557,8 +550,6 @@ class Guard:
             self._heartbeat.unwatch(ticket._heartbeat)
             ticket._heartbeat = None
 
-    # -- events ----------------------------------------------------------------------------
-
     def _emit(
         self,
         name: Event,
@@ -571,6 +562,14 @@ class Guard:
         # Runs several times per delivery: skip the work when nobody would see the event.
         if not self.sinks.quiet(name):
             self.sinks.send(ticket_event(name, ticket, duration, reason, recovery_s, count))
+
+
+def _check_supports(store: Store, policy: Policy) -> None:
+    if policy.transactional and not isinstance(store, TransactionalStore):
+        raise ConfigError(
+            f"Policy.transactional=True needs an SQL store; {store.describe()} has no "
+            "database transaction to share"
+        )
 
 
 def _check_store(store: object) -> None:

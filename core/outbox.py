@@ -245,82 +245,101 @@ def send_on_commit(
 
     target: Any = bind() if isinstance(bind, scoped_session) else bind
     if isinstance(target, Session):
-        if on_commit is not None:
-            raise ConfigError(
-                "send_on_commit(session, on_commit=…): a Session's commit is seen by taskonce "
-                "itself; on_commit= is for a Connection whose transaction someone else commits"
-            )
-        chosen = _guard_for(guard)
-        store = _sql_store(chosen)
-        _check_bind(store, target)
-        _listen()
-        state = target.info.get(_INFO_KEY)
-        if not isinstance(state, _Outbox) or (not state.rows and state.guard is not chosen):
-            state = target.info[_INFO_KEY] = _Outbox(chosen, store)
-        elif state.guard is not chosen:
-            raise ConfigError(
-                "send_on_commit: this session's transaction already holds sends of another guard"
-            )
-        session = target
-        outbox = state
-
-        def write(text: str) -> None:
-            outbox.write(session.connection(), text, session.in_nested_transaction())
-
-        with handoff.capturing(_OutboxCapture(chosen, write)):
+        with _in_session(target, guard, on_commit):
             yield bind
         return
     if isinstance(target, Connection):
-        chosen = _guard_for(guard)
-        store = _sql_store(chosen)
-        _check_bind(store, target)
-        if on_commit is not None:
-            if not callable(on_commit):
-                raise ConfigError(f"send_on_commit(on_commit={on_commit!r}) must be callable")
-            hooked = _Outbox(chosen, store)
-            joined = target
-
-            def write_joined(text: str) -> None:
-                hooked.write(joined, text, joined.in_nested_transaction())
-
-            with handoff.capturing(_OutboxCapture(chosen, write_joined)):
-                yield bind
-            if hooked.rows:
-                on_commit(hooked.committed)
-            return
-        if target.in_transaction():
-            raise ConfigError(
-                "send_on_commit(connection): the connection is already in a transaction, whose "
-                "commit taskonce cannot see; enter the block before the connection's first "
-                "statement (the block then begins and commits the transaction), or pass a Session"
-            )
-        connection = target
-        outbox = _Outbox(chosen, store)
-
-        def write_through(text: str) -> None:
-            outbox.write(connection, text, connection.in_nested_transaction())
-
-        transaction = connection.begin()
-        try:
-            with handoff.capturing(_OutboxCapture(chosen, write_through)):
-                yield bind
-            if transaction.is_active:
-                transaction.commit()
-            else:  # committed or rolled back inside the block: publish only what is there
-                outbox.rows = [dataclasses.replace(row, verify=True) for row in outbox.rows]
-        except BaseException:
-            try:
-                if transaction.is_active:
-                    transaction.rollback()
-            finally:
-                outbox.discarded()
-            raise
-        outbox.committed()
+        with _on_connection(target, guard, on_commit):
+            yield bind
         return
     raise ConfigError(
         "send_on_commit() needs the SQLAlchemy Session or Connection whose transaction the sends "
         f"share, not {type(bind).__name__}"
     )
+
+
+@contextlib.contextmanager
+def _in_session(
+    target: Session, guard: Guard | None, on_commit: Callable[[Callable[[], None]], Any] | None
+) -> Iterator[None]:
+    """:func:`send_on_commit` on a Session: the rows go out at its commit (``_listen``)."""
+    if on_commit is not None:
+        raise ConfigError(
+            "send_on_commit(session, on_commit=…): a Session's commit is seen by taskonce "
+            "itself; on_commit= is for a Connection whose transaction someone else commits"
+        )
+    chosen = _guard_for(guard)
+    store = _sql_store(chosen)
+    _check_bind(store, target)
+    _listen()
+    state = target.info.get(_INFO_KEY)
+    if not isinstance(state, _Outbox) or (not state.rows and state.guard is not chosen):
+        state = target.info[_INFO_KEY] = _Outbox(chosen, store)
+    elif state.guard is not chosen:
+        raise ConfigError(
+            "send_on_commit: this session's transaction already holds sends of another guard"
+        )
+    session = target
+    outbox = state
+
+    def write(text: str) -> None:
+        outbox.write(session.connection(), text, session.in_nested_transaction())
+
+    with handoff.capturing(_OutboxCapture(chosen, write)):
+        yield
+
+
+@contextlib.contextmanager
+def _on_connection(
+    target: Connection, guard: Guard | None, on_commit: Callable[[Callable[[], None]], Any] | None
+) -> Iterator[None]:
+    """:func:`send_on_commit` on a Connection: the block is the transaction, or (``on_commit``)
+    someone else's transaction commits it."""
+    chosen = _guard_for(guard)
+    store = _sql_store(chosen)
+    _check_bind(store, target)
+    if on_commit is not None:
+        if not callable(on_commit):
+            raise ConfigError(f"send_on_commit(on_commit={on_commit!r}) must be callable")
+        hooked = _Outbox(chosen, store)
+        joined = target
+
+        def write_joined(text: str) -> None:
+            hooked.write(joined, text, joined.in_nested_transaction())
+
+        with handoff.capturing(_OutboxCapture(chosen, write_joined)):
+            yield
+        if hooked.rows:
+            on_commit(hooked.committed)
+        return
+    if target.in_transaction():
+        raise ConfigError(
+            "send_on_commit(connection): the connection is already in a transaction, whose "
+            "commit taskonce cannot see; enter the block before the connection's first "
+            "statement (the block then begins and commits the transaction), or pass a Session"
+        )
+    connection = target
+    outbox = _Outbox(chosen, store)
+
+    def write_through(text: str) -> None:
+        outbox.write(connection, text, connection.in_nested_transaction())
+
+    transaction = connection.begin()
+    try:
+        with handoff.capturing(_OutboxCapture(chosen, write_through)):
+            yield
+        if transaction.is_active:
+            transaction.commit()
+        else:  # committed or rolled back inside the block: publish only what is there
+            outbox.rows = [dataclasses.replace(row, verify=True) for row in outbox.rows]
+    except BaseException:
+        try:
+            if transaction.is_active:
+                transaction.rollback()
+        finally:
+            outbox.discarded()
+        raise
+    outbox.committed()
 
 
 def _guard_for(guard: Guard | None) -> Guard:

@@ -58,7 +58,7 @@ STORE_OPERATIONS = (
 #: Store calls take from a fraction of a millisecond (one Redis script) to seconds (a timeout).
 STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
-_SENDS = {
+_SENDS: dict[str, str] = {
     Event.SENDS_DEFERRED: "deferred",
     Event.SENDS_DISPATCHED: "dispatched",
     Event.SENDS_REDISPATCHED: "redispatched",
