@@ -1,32 +1,12 @@
 """``IdempotentTask``: a Celery task base class that runs each delivery's body at most once.
 
-The class only translates Celery's moments into the guard's three calls; every decision is
-:meth:`taskonce.Guard.begin`'s:
-
-========================  ==================================================================
-Celery moment             what the task does
-========================  ==================================================================
-the body is about to run  ``guard.begin(Delivery(task id, queue, …), args, kwargs)``
-``RUN``                   run the body; ``guard.finish`` after it returns, ``guard.fail`` if it
-                          raises (including ``Retry``, ``Reject``, ``Ignore``)
-``SKIP`` (a duplicate)    raise :class:`~celery.exceptions.Ignore`: no state stored, no
-                          callbacks, chain or chord step, the message acknowledged
-``DEFER`` (in progress)   publish the same message (same id, same ``retries``) again with
-                          ``countdown`` = the lease's remaining time, then ``Ignore``; it does not
-                          count against ``max_retries`` and is never dropped
-store unreachable         ``fail_closed``: the same, after ``taskonce_store_retry_delay``;
-                          ``fail_open``: run unguarded
-``self.retry()``          release the claim, let Celery store ``RETRY``, *then* publish the retry
-``self.replace()``        release the claim before the replacement (same id) is published
-bad id / payload mismatch ``Reject(requeue=False)``: not run, dead-lettered where the broker can
-``ConfigError``           ``Reject(requeue=False)`` too: a configuration that cannot run the
-                          message must not acknowledge (lose) it
-lazy transactional        a duplicate or mismatch found by ``guard.finish`` (``check_first=False``,
-                          or two copies at once: the body ran and was rolled back): the same
-                          ``Ignore``, deferral or ``Reject`` then
-the body sends            captured (``defer_sends``); after it returns its ``link`` callbacks and
-                          next ``chain`` step too; published by the guard after the record
-========================  ==================================================================
+The class only translates Celery's moments into the guard's calls (:func:`taskonce.action.before`
+before the body, :func:`taskonce.action.after` after it returned, :meth:`taskonce.Guard.fail`
+if it raised); every decision is the guard's. What Celery does with each resulting
+:class:`~taskonce.action.Action` is the table :data:`CELERY` at the end of this module, the only
+place that translation lives; docs/how-it-works.md (*What each framework does with it*) shows
+it beside Dramatiq's, and docs/celery.md the Celery moments around it (retries, ``replace``,
+captured sends).
 """
 
 from __future__ import annotations
@@ -34,13 +14,14 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from celery import Task
 from celery.exceptions import Ignore, Reject
 from celery.signals import task_postrun
 
+from taskonce.action import Action, Do, after, before
 from taskonce.celery_ext.config import (
     AppState,
     app_state,
@@ -51,15 +32,8 @@ from taskonce.celery_ext.config import (
 )
 from taskonce.celery_ext.handoff import capture_links, restore_links
 from taskonce.celery_ext.routing import QUEUE_HEADER, delivery_queue
-from taskonce.errors import (
-    ConfigError,
-    InProgressElsewhere,
-    InvalidInput,
-    LeaseLost,
-    PayloadMismatch,
-    StoreUnavailable,
-)
-from taskonce.guard import Decision, Delivery, Guard, Ticket
+from taskonce.errors import ConfigError, InProgressElsewhere
+from taskonce.guard import Delivery, Guard, Ticket
 from taskonce.handoff import send_now
 from taskonce.policy import Policy
 
@@ -86,6 +60,22 @@ def lease_beyond(time_limit: float) -> float:
     running. ``time_limit + max(5 s, 10 %)``.
     """
     return time_limit + max(5.0, 0.1 * time_limit)
+
+
+@dataclasses.dataclass
+class _Call:
+    """One guarded call, as the table's rows need it."""
+
+    guard: Guard
+    state: AppState
+    request: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    queue: str
+    eager: bool
+    #: the link callbacks and chain taken from the request into the capture (put back when the
+    #: message is published again to run later)
+    links: tuple[Any, Any] = (None, None)
 
 
 @dataclasses.dataclass
@@ -208,94 +198,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 self._refuse_misconfigured(request, exc, eager)
         if eager and state.eager == "bypass":
             return super().__call__(*args, **kwargs)
-        queue = delivery_queue(self, request)
-        try:
-            delivery = Delivery(
-                message_id=request.id,
-                queue=queue,
-                task=self.name,
-                framework="celery",
-                attempt=int(request.retries or 0),
-                redelivered=_redelivered(request),
-                deferred=_deferred(request),
-                override=self._policy(state, guard, queue, request),
-            )
-            ticket = guard.begin(delivery, args, kwargs)
-        except ConfigError as exc:
-            self._refuse_misconfigured(request, exc, eager)
-        except (InvalidInput, PayloadMismatch) as exc:
-            logger.error("taskonce: %s[%s] refused, not run: %s", self.name, request.id, exc)
-            if eager:
-                raise
-            raise _reject(exc, requeue=False) from exc
-        except StoreUnavailable as exc:
-            if eager:
-                raise
-            # DEBUG: the guard logs the outage itself, once per change (taskonce.outage).
-            logger.debug(
-                "taskonce: %s[%s] not run, the store is unreachable (fail_closed); delivered "
-                "again in %.1fs: %s",
-                self.name,
-                request.id,
-                state.store_retry_delay,
-                exc,
-            )
-            self._deliver_later(request, args, kwargs, queue, state.store_retry_delay)
+        call = _Call(guard, state, request, args, kwargs, delivery_queue(self, request), eager)
+        action = before(guard, lambda: self._delivery(call), args, kwargs)
+        return CELERY[action.do](self, action, call)
 
-        decision = ticket.decision
-        if decision is Decision.SKIP:
-            if ticket.policy.store_result:
-                logger.info(
-                    "taskonce: %s[%s] skipped as a duplicate; the first run returned %r",
-                    self.name,
-                    request.id,
-                    ticket.stored_result,
-                )
-            raise Ignore()
-        if decision is Decision.DEFER:
-            if eager:
-                assert ticket.key is not None
-                raise InProgressElsewhere(ticket.key, ticket.retry_after)
-            self._deliver_later(
-                request,
-                args,
-                kwargs,
-                queue,
-                ticket.retry_after,
-                deferred=ticket.delivery.deferred + 1,
-            )
-        if decision is Decision.UNGUARDED:
-            return super().__call__(*args, **kwargs)
-
-        if not eager and not self.acks_late and self.name not in state.acks_late_warned:
-            state.acks_late_warned.add(self.name)
-            logger.warning(ACKS_LATE_WARNING, self.name)
-        active = _Active(guard, ticket)
-        token = _ACTIVE.set(active)
-        try:
-            links: tuple[Any, Any] = (None, None)
-            try:
-                result = self._body(args, kwargs)
-                if ticket.capture is not None and not eager and request.id not in _HELD:
-                    # The tracer publishes these after we return, i.e. after the record: they
-                    # are part of this outcome's sends instead.
-                    links = capture_links(self, request, result)
-            except BaseException as exc:
-                active.release(exc)
-                raise
-            if request.id in _HELD:
-                # The body caught its own Retry and returned: publish the retry as Celery
-                # would have, after releasing the claim; record nothing for this attempt.
-                active.release()
-                publish_held_retry(request.id)
-            elif not active.settled:
-                active.settled = True
-                self._finish(
-                    guard, ticket, result, request, args, kwargs, queue, eager, state, links
-                )
-            return result
-        finally:
-            _ACTIVE.reset(token)
+    def _delivery(self, call: _Call) -> Delivery:
+        request = call.request
+        return Delivery(
+            message_id=request.id,
+            queue=call.queue,
+            task=self.name,
+            framework="celery",
+            attempt=int(request.retries or 0),
+            redelivered=_redelivered(request),
+            override=self._policy(call.state, call.guard, call.queue, request),
+            deferred=_deferred(request),
+        )
 
     def _body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the body. Celery's tracer has already pushed this task and its request (with
@@ -307,79 +225,117 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self.run(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
-    def _finish(
-        self,
-        guard: Guard,
-        ticket: Ticket,
-        result: Any,
-        request: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        queue: str,
-        eager: bool,
-        state: AppState,
-        links: tuple[Any, Any] = (None, None),
-    ) -> None:
-        """Record the outcome. ``links``: the link callbacks and chain taken from the request
-        into the capture, put back when the message is published again to run later."""
+    # -- the rows of the table (CELERY, below the class) -----------------------------------
+
+    def _run(self, action: Action, call: _Call) -> Any:
+        """Run the body; record its outcome (:func:`taskonce.action.after`) and act on that."""
+        ticket, request = action.ticket, call.request
+        assert ticket is not None
+        if not call.eager and not self.acks_late and self.name not in call.state.acks_late_warned:
+            call.state.acks_late_warned.add(self.name)
+            logger.warning(ACKS_LATE_WARNING, self.name)
+        active = _Active(call.guard, ticket)
+        token = _ACTIVE.set(active)
         try:
-            guard.finish(ticket, result)
-        except LeaseLost as exc:
-            # Another delivery took the claim over: that one is the run of record, this one
-            # is the duplicate. Store nothing, send no callbacks.
-            logger.warning("taskonce: %s[%s] lost its claim: %s", self.name, request.id, exc)
-            raise Ignore() from exc
-        except StoreUnavailable as exc:
-            if not ticket.policy.transactional:
-                # The body's effects happened; only the record of them is missing.
-                logger.error(
-                    "taskonce: %s[%s] ran but could not be recorded: %s", self.name, request.id, exc
-                )
-                return
-            # Transactional: the body's writes were rolled back with the mark: run it again.
-            guard.fail(ticket, exc)
-            if eager:
+            try:
+                result = self._body(call.args, call.kwargs)
+                if ticket.capture is not None and not call.eager and request.id not in _HELD:
+                    # The tracer publishes these after we return, i.e. after the record: they
+                    # are part of this outcome's sends instead.
+                    call.links = capture_links(self, request, result)
+            except BaseException as exc:
+                active.release(exc)
                 raise
+            if request.id in _HELD:
+                # The body caught its own Retry and returned: publish the retry as Celery
+                # would have, after releasing the claim; record nothing for this attempt.
+                active.release()
+                publish_held_retry(request.id)
+            elif not active.settled:
+                active.settled = True
+                try:
+                    done = after(call.guard, ticket, result)
+                except BaseException as exc:
+                    call.guard.fail(ticket, exc)
+                    raise
+                CELERY[done.do](self, done, call)
+            return result
+        finally:
+            _ACTIVE.reset(token)
+
+    def _run_unguarded(self, action: Action, call: _Call) -> Any:
+        return super().__call__(*call.args, **call.kwargs)
+
+    def _ack(self, action: Action, call: _Call) -> None:
+        if action.error is not None:  # the body's effects happened; the record is incomplete
+            logger.error("taskonce: %s[%s] ran: %s", self.name, call.request.id, action.error)
+
+    def _skip(self, action: Action, call: _Call) -> NoReturn:
+        ticket = action.ticket
+        if ticket is not None and not action.ran and ticket.policy.store_result:
+            logger.info(
+                "taskonce: %s[%s] skipped as a duplicate; the first run returned %r",
+                self.name,
+                call.request.id,
+                ticket.stored_result,
+            )
+        raise Ignore()
+
+    def _redeliver(self, action: Action, call: _Call) -> NoReturn:
+        if call.eager:
+            assert action.ticket is not None and action.ticket.key is not None
+            raise InProgressElsewhere(action.ticket.key, action.delay)
+        assert action.ticket is not None
+        self._deliver_later(call, action.delay, deferred=action.ticket.delivery.deferred + 1)
+
+    def _back_off(self, action: Action, call: _Call) -> NoReturn:
+        assert action.error is not None
+        if call.eager:
+            raise action.error
+        delay = call.state.store_retry_delay
+        if action.ran:  # transactional: the body's writes were rolled back with the mark
             logger.warning(
                 "taskonce: %s[%s] could not commit (store unreachable); its writes were rolled "
                 "back; delivered again in %.1fs",
                 self.name,
-                request.id,
-                state.store_retry_delay,
+                call.request.id,
+                delay,
             )
-            restore_links(request, links)  # the re-published message carries them on
-            self._deliver_later(request, args, kwargs, queue, state.store_retry_delay)
-        except InvalidInput as exc:
-            # store_result with a result JSON cannot hold: the key is recorded as handled.
-            logger.error("taskonce: %s[%s]: %s", self.name, request.id, exc)
-        except PayloadMismatch as exc:
-            # Lazy transactional (check_first=False, or two copies at once): the mismatch shows
-            # at the mark; the body's writes and sends were rolled back. Refused like a
-            # pre-checked mismatch: dead-lettered.
-            logger.error("taskonce: %s[%s] refused, rolled back: %s", self.name, request.id, exc)
-            if eager:
-                raise
-            raise _reject(exc, requeue=False) from exc
-        except BaseException as exc:
-            guard.fail(ticket, exc)
-            raise
-        if ticket.decision is Decision.SKIP:
-            # Lazy transactional: a duplicate, found at the mark and rolled back. As a skip
-            # found before the body: no state stored, no callbacks (they were captured).
-            raise Ignore()
-        if ticket.decision is Decision.DEFER:
-            if eager:
-                assert ticket.key is not None
-                raise InProgressElsewhere(ticket.key, ticket.retry_after)
-            restore_links(request, links)
-            self._deliver_later(
-                request,
-                args,
-                kwargs,
-                queue,
-                ticket.retry_after,
-                deferred=ticket.delivery.deferred + 1,
+        else:  # DEBUG: the guard logs the outage itself, once per change (taskonce.outage)
+            logger.debug(
+                "taskonce: %s[%s] not run, the store is unreachable (fail_closed); delivered "
+                "again in %.1fs: %s",
+                self.name,
+                call.request.id,
+                delay,
+                action.error,
             )
+        self._deliver_later(call, delay)
+
+    def _refuse(self, action: Action, call: _Call) -> NoReturn:
+        exc = action.error
+        assert exc is not None
+        if isinstance(exc, ConfigError):
+            self._refuse_misconfigured(call.request, exc, call.eager)
+        how = "rolled back" if action.ran else "not run"
+        logger.error("taskonce: %s[%s] refused, %s: %s", self.name, call.request.id, how, exc)
+        if call.eager:
+            raise exc
+        raise _reject(exc, requeue=False) from exc
+
+    def _lost(self, action: Action, call: _Call) -> NoReturn:
+        # Another delivery took the claim over: that one is the run of record, this one is the
+        # duplicate. Store nothing, send no callbacks.
+        logger.warning(
+            "taskonce: %s[%s] lost its claim: %s", self.name, call.request.id, action.error
+        )
+        raise Ignore() from action.error
+
+    def _raise(self, action: Action, call: _Call) -> NoReturn:
+        assert action.error is not None
+        if action.ran and action.ticket is not None:
+            call.guard.fail(action.ticket, action.error)
+        raise action.error
 
     def _refuse_misconfigured(self, request: Any, exc: ConfigError, eager: bool) -> NoReturn:
         """A configuration error met at run time (one that slipped past the start checks): the
@@ -429,23 +385,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
         state.policies[cache_key] = policy
         return policy
 
-    def _deliver_later(
-        self,
-        request: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        queue: str,
-        delay: float,
-        deferred: int = 0,
-    ) -> NoReturn:
-        """Publish this message again (same id, same ``retries``, same links and chain) to
-        ``queue`` after ``delay`` seconds, then acknowledge this delivery with ``Ignore``.
+    def _deliver_later(self, call: _Call, delay: float, deferred: int = 0) -> NoReturn:
+        """Publish this message again (same id, same ``retries``, same links and chain) to its
+        queue after ``delay`` seconds, then acknowledge this delivery with ``Ignore``.
         ``deferred``: the guard's deferrals of it so far, carried in :data:`DEFERRED_HEADER`."""
-        options: dict[str, Any] = {"queue": queue, "countdown": max(delay, 0.0)}
+        request = call.request
+        restore_links(request, call.links)  # taken into the capture: the copy carries them on
+        options: dict[str, Any] = {"queue": call.queue, "countdown": max(delay, 0.0)}
         if deferred:
             headers = request.headers if isinstance(request.headers, Mapping) else {}
             options["headers"] = {**headers, DEFERRED_HEADER: deferred}
-        signature = self.signature_from_request(request, args, kwargs, **options)
+        signature = self.signature_from_request(request, call.args, call.kwargs, **options)
         try:
             with send_now():  # the same message again, never a deferred send
                 signature.apply_async()
@@ -556,6 +506,21 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if active is not None and active.ticket.delivery.message_id == self.request.id:
             active.release()
 
+
+#: What Celery does with each :class:`~taskonce.action.Action` — the only place the translation
+#: lives (docs/how-it-works.md, *What each framework does with it*). In an eager run (``apply()``,
+#: ``task_always_eager``) ``REDELIVER``, ``BACK_OFF`` and ``REJECT`` raise instead.
+CELERY: dict[Do, Callable[[IdempotentTask, Action, _Call], Any]] = {
+    Do.RUN: IdempotentTask._run,  # run the body; after(): complete / mark / commit
+    Do.RUN_UNGUARDED: IdempotentTask._run_unguarded,  # the body, without a guard
+    Do.ACK: IdempotentTask._ack,  # return the result (SUCCESS, callbacks); log a problem
+    Do.SKIP: IdempotentTask._skip,  # Ignore: nothing stored, no callbacks, acknowledged
+    Do.REDELIVER: IdempotentTask._redeliver,  # publish again, countdown=delay; Ignore
+    Do.BACK_OFF: IdempotentTask._back_off,  # the same after taskonce_store_retry_delay
+    Do.REJECT: IdempotentTask._refuse,  # Reject(requeue=False): dead-lettered
+    Do.LOST: IdempotentTask._lost,  # Ignore: the run that took the claim over is of record
+    Do.RAISE: IdempotentTask._raise,  # the exception: Celery's FAILURE
+}
 
 #: Celery's own ``Task.__call__``, as imported (before any ``add_around`` wrapping).
 _CELERY_CALL = Task.__call__

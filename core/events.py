@@ -5,6 +5,7 @@ The field and event names are public (docs/how-it-works.md, Events): ``taskonce 
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -17,27 +18,39 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 logger = logging.getLogger("taskonce.events")
 
-EVENT_NAMES = frozenset(
-    {
-        "claimed",
-        "completed",
-        "released",
-        "marked",
-        "duplicate_skipped",
-        "in_progress_deferred",
-        "lease_taken_over",
-        "lease_renewed",
-        "lease_lost",
-        "concurrent_duplicate",
-        "payload_mismatch",
-        "store_error",
-        "purged",
-        "sends_deferred",
-        "sends_dispatched",
-        "sends_redispatched",
-        "sends_discarded",
-    }
-)
+
+class Event(str, enum.Enum):
+    """The event names (docs/how-it-works.md, Events). A ``str`` enum: a member equals, hashes
+    and JSON-encodes as its name, so records, JSON lines and the audit read the same text;
+    events carry the plain value (``Event.CLAIMED.value``)."""
+
+    CLAIMED = "claimed"
+    COMPLETED = "completed"
+    RELEASED = "released"
+    MARKED = "marked"
+    DUPLICATE_SKIPPED = "duplicate_skipped"
+    IN_PROGRESS_DEFERRED = "in_progress_deferred"
+    LEASE_TAKEN_OVER = "lease_taken_over"
+    LEASE_RENEWED = "lease_renewed"
+    LEASE_LOST = "lease_lost"
+    CONCURRENT_DUPLICATE = "concurrent_duplicate"
+    PAYLOAD_MISMATCH = "payload_mismatch"
+    STORE_ERROR = "store_error"
+    PURGED = "purged"
+    SENDS_DEFERRED = "sends_deferred"
+    SENDS_DISPATCHED = "sends_dispatched"
+    SENDS_REDISPATCHED = "sends_redispatched"
+    SENDS_DISCARDED = "sends_discarded"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return self.value.__format__(spec)
+
+
+#: Every event name, as plain strings.
+EVENT_NAMES = frozenset(event.value for event in Event)
 
 FIELDS = (
     "ts",
@@ -61,15 +74,15 @@ FIELDS = (
 
 # store_error is not among them: an outage is logged once per change (taskonce.outage), not
 # once per delivery; the event still reaches every sink.
-_WARNING_EVENTS = frozenset({"lease_lost", "concurrent_duplicate", "payload_mismatch"})
+_WARNING_EVENTS = frozenset({Event.LEASE_LOST, Event.CONCURRENT_DUPLICATE, Event.PAYLOAD_MISMATCH})
 _INFO_EVENTS = frozenset(
     {
-        "duplicate_skipped",
-        "in_progress_deferred",
-        "lease_taken_over",
-        "purged",
-        "sends_redispatched",
-        "sends_discarded",
+        Event.DUPLICATE_SKIPPED,
+        Event.IN_PROGRESS_DEFERRED,
+        Event.LEASE_TAKEN_OVER,
+        Event.PURGED,
+        Event.SENDS_REDISPATCHED,
+        Event.SENDS_DISCARDED,
     }
 )
 _HOST = socket.gethostname()
@@ -93,17 +106,19 @@ def utc_now_iso() -> str:
     return f"{_second_cache[1]}.{int((now - second) * 1000):03d}Z"
 
 
-def make_event(event: str, **fields: Any) -> dict[str, Any]:
-    """An event with every public field present (``None`` where it does not apply)."""
+def make_event(event: Event | str, **fields: Any) -> dict[str, Any]:
+    """An event with every public field present (``None`` where it does not apply); its
+    ``event`` is the name's plain text."""
     if event not in EVENT_NAMES:
         raise ValueError(f"unknown event name {event!r}")
+    name = Event(event).value
     unknown = set(fields) - set(FIELDS)
     if unknown:
         raise ValueError(f"unknown event field(s) {sorted(unknown)}")
     record: dict[str, Any] = dict.fromkeys(FIELDS)
     record.update(fields)
     record["ts"] = fields.get("ts") or utc_now_iso()
-    record["event"] = event
+    record["event"] = name
     record["worker"] = fields.get("worker") or worker_id()
     return record
 
@@ -115,7 +130,7 @@ class EventSink(Protocol):
     def emit(self, event: Mapping[str, Any]) -> None: ...
 
 
-def log_level(name: str) -> int:
+def log_level(name: Event | str) -> int:
     """The level at which :class:`LoggingEvents` logs event ``name``."""
     if name in _WARNING_EVENTS:
         return logging.WARNING
@@ -132,8 +147,10 @@ class HeldClaims(Generic[L]):
     metrics sink's "claims in progress" gauge needs so that it goes up once per claim and down
     once, under the same labels, however the events repeat. A forked child holds none."""
 
-    STARTS = frozenset({"claimed", "lease_taken_over"})
-    ENDS = frozenset({"completed", "released", "lease_lost", "store_error", "marked"})
+    STARTS = frozenset({Event.CLAIMED, Event.LEASE_TAKEN_OVER})
+    ENDS = frozenset(
+        {Event.COMPLETED, Event.RELEASED, Event.LEASE_LOST, Event.STORE_ERROR, Event.MARKED}
+    )
 
     def __init__(self) -> None:
         self._after_fork()
@@ -144,7 +161,7 @@ class HeldClaims(Generic[L]):
         self._lock = threading.Lock()
         self._held: dict[Any, L] = {}
 
-    def change(self, name: str, key: Any, labels: L) -> tuple[int, L] | None:
+    def change(self, name: Event | str, key: Any, labels: L) -> tuple[int, L] | None:
         """How event ``name`` of ``key`` moves the gauge: ``(+1, labels)``, ``(-1, the labels
         the claim was counted under)``, or None."""
         if key is None:
@@ -169,7 +186,7 @@ class LoggingEvents:
     logged once per change by the guard, :class:`~taskonce.outage.StoreHealth`)."""
 
     @staticmethod
-    def wants(name: str) -> bool:
+    def wants(name: Event | str) -> bool:
         """Whether event ``name`` would be logged at the logger's current level."""
         return logger.isEnabledFor(log_level(name))
 
@@ -186,6 +203,25 @@ class LoggingEvents:
                 event.get("attempt"),
                 extra={"taskonce_event": dict(event)},
             )
+
+
+class Sinks(list[EventSink]):
+    """A guard's event sinks (:class:`LoggingEvents` first): a list, so sinks can be added
+    later, that sends each event to every sink."""
+
+    def quiet(self, name: Event | str) -> bool:
+        """Whether nobody would see event ``name`` (logging alone, below its level): the
+        caller may skip building it."""
+        return len(self) == 1 and not LoggingEvents.wants(name)
+
+    def send(self, event: dict[str, Any]) -> None:
+        """Give ``event`` to every sink; a sink that raises is logged, never passed on (an
+        event sink must never change a delivery's outcome)."""
+        for sink in self:
+            try:
+                sink.emit(event)
+            except Exception:
+                logging.getLogger("taskonce").exception("event sink %r failed", sink)
 
 
 class JsonlEvents:

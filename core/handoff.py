@@ -18,9 +18,12 @@ import dataclasses
 import json
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from taskonce.errors import SendRefused
+from taskonce.errors import ConfigError, SendRefused
+
+if TYPE_CHECKING:
+    from taskonce.ticket import Ticket
 
 #: Default size limit of one handler's captured sends (JSON text, in bytes).
 DEFAULT_SEND_LIMIT = 1 << 20
@@ -159,6 +162,38 @@ def current() -> Capture | None:
     if capture is None or _sending_now.get():
         return None
     return capture
+
+
+def check_send_limit(send_limit: object) -> None:
+    """:class:`~taskonce.errors.ConfigError` unless ``send_limit`` is a positive number of
+    bytes (``Guard(send_limit=…)``)."""
+    if isinstance(send_limit, bool) or not isinstance(send_limit, int) or send_limit < 1:
+        raise ConfigError(f"Guard(send_limit={send_limit!r}) must be a positive number of bytes")
+
+
+def start_capture(ticket: Ticket, send_limit: int) -> None:
+    """Capture what ``ticket``'s handler sends (its policy's ``defer_sends``), in this context;
+    inside another guarded handler with ``defer_sends=False``, publish at once instead."""
+    assert ticket.key is not None
+    if ticket.policy.defer_sends:
+        ticket.capture = Capture(ticket.key, ticket.delivery.task, send_limit)
+        ticket._capture_token = _capture.set(ticket.capture)
+    elif _capture.get() is not None:
+        ticket._capture_token = _capture.set(None)
+
+
+def end_capture(ticket: Ticket) -> tuple[str, ...]:
+    """Stop capturing for ``ticket``; the JSON texts of what its handler sent."""
+    from taskonce.ticket import reset_var
+
+    capture = ticket.capture
+    if capture is None and ticket._capture_token is None:
+        return ()
+    ticket.capture = None
+    if ticket._capture_token is not None:
+        reset_var(_capture, ticket._capture_token)
+        ticket._capture_token = None
+    return () if capture is None else tuple(capture.texts)
 
 
 @contextlib.contextmanager

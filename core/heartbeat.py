@@ -75,6 +75,16 @@ class Heartbeat:
         with self._cond:
             self._watched.pop(handle, None)
 
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop renewing every watched claim and end the thread, waiting up to ``timeout``
+        seconds for it (the guard is closed; a later :meth:`watch` starts a thread again)."""
+        with self._cond:
+            self._watched.clear()
+            thread, self._thread = self._thread, None
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
     def _loop(self) -> None:
         try:
             self._renew_due()
@@ -88,6 +98,8 @@ class Heartbeat:
         while True:
             with self._cond:
                 while True:
+                    if self._thread is not threading.current_thread():
+                        return  # stopped
                     now = time.monotonic()
                     due = [(h, w) for h, w in self._watched.items() if w.due <= now]
                     if due:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import os
 import re
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -78,3 +81,34 @@ def fingerprint(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> st
             "JSON-serialisable arguments or set check_payload=False for this task"
         ) from exc
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+class _Tokens:
+    """Owner tokens: 32 hex digits, a random half drawn once per process and a counter.
+
+    A token only has to differ from every other claim's token (it fences writes; it is no
+    secret: whoever can read the store can read it). Drawing all 16 bytes from the OS for
+    every claim cost a system call per delivery; a forked child draws its own random half
+    before its first token, so parent and child never share one.
+    """
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._head = ""
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        pid = os.getpid()
+        if pid != self._pid:
+            self._head = secrets.token_hex(8)
+            self._count = itertools.count()
+            self._pid = pid
+        return f"{self._head}{next(self._count):016x}"
+
+
+_owner_tokens = _Tokens()
+
+
+def owner_token() -> str:
+    """A new claim's owner token (unique per claim, not secret)."""
+    return _owner_tokens.next()

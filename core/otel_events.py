@@ -11,22 +11,22 @@ from collections.abc import Mapping
 from typing import Any
 
 from taskonce.errors import ConfigError
-from taskonce.events import HeldClaims
+from taskonce.events import Event, HeldClaims
 
 #: Span attributes set from each event (the latest event wins), named ``taskonce.<field>``.
 SPAN_FIELDS = ("key", "queue", "message_id", "task", "framework", "mode", "attempt")
 #: Fields added to a span event where the event carries them.
 EVENT_FIELDS = ("duration_ms", "reason", "recovery_s", "count", "redelivered")
 #: What the guard decided, for the events that carry a decision.
-DECISIONS = {
-    "claimed": "run",
-    "lease_taken_over": "run",
-    "marked": "run",
-    "concurrent_duplicate": "run",
-    "duplicate_skipped": "skip",
-    "sends_redispatched": "skip",
-    "in_progress_deferred": "defer",
-    "payload_mismatch": "refuse",
+DECISIONS: dict[str, str] = {
+    Event.CLAIMED: "run",
+    Event.LEASE_TAKEN_OVER: "run",
+    Event.MARKED: "run",
+    Event.CONCURRENT_DUPLICATE: "run",
+    Event.DUPLICATE_SKIPPED: "skip",
+    Event.SENDS_REDISPATCHED: "skip",
+    Event.IN_PROGRESS_DEFERRED: "defer",
+    Event.PAYLOAD_MISMATCH: "refuse",
 }
 
 

@@ -18,20 +18,118 @@ import logging
 import secrets
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from taskonce import handoff
-from taskonce.errors import ConfigError
-from taskonce.guard import OUTBOX_PREFIX, Guard, OutboxRow, publishing_guards
-from taskonce.handoff import Capture
+from taskonce.errors import ConfigError, StoreUnavailable
+from taskonce.events import Event, Sinks, make_event
+from taskonce.handoff import Capture, Send
 from taskonce.stores.base import TransactionalStore
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
     from sqlalchemy.orm import Session
 
+    from taskonce.dispatch import Dispatcher
+    from taskonce.guard import Guard
+
 logger = logging.getLogger("taskonce")
+
+#: The guards that frameworks registered publishers with, in this process: where
+#: :func:`taskonce.send_on_commit` finds its guard when none is named.
+_PUBLISHING: weakref.WeakSet[Guard] = weakref.WeakSet()
+
+
+def publishing_guards() -> list[Guard]:
+    """The live guards of this process that a framework registered a publisher with."""
+    return list(_PUBLISHING)
+
+
+#: Keys of the producer outbox's records (:func:`taskonce.send_on_commit`) start with this.
+OUTBOX_PREFIX = "outbox:"
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxRow:
+    """One send of the producer outbox, written in an application's transaction.
+
+    :param key: its record's key (``outbox:<uuid>``).
+    :param token: the dispatch token it was written with (holding its dispatch lease).
+    :param text: the send's JSON text.
+    :param verify: read the record back before publishing (it was written inside a savepoint
+        that may have been rolled back).
+    """
+
+    key: str
+    token: str
+    text: str
+    verify: bool = False
+
+
+def outbox_event(
+    sinks: Sinks,
+    name: Event,
+    key: str,
+    texts: Sequence[str],
+    lease_s: float,
+    keep_for_s: float,
+) -> None:
+    """A producer's event: no incoming message, so ``key`` is None; ``message_id`` names the
+    outbox record, ``framework`` the sends' framework (one event per framework)."""
+    if sinks.quiet(name):
+        return
+    counts: dict[str, int] = {}
+    for text in texts:
+        framework = Send.from_json(text).framework
+        counts[framework] = counts.get(framework, 0) + 1
+    for framework, count in counts.items():
+        sinks.send(
+            make_event(
+                name,
+                message_id=key,
+                framework=framework,
+                lease_s=lease_s,
+                keep_for_s=keep_for_s,
+                count=count,
+            )
+        )
+
+
+def dispatch_committed(dispatcher: Dispatcher, rows: Sequence[OutboxRow]) -> int:
+    """Publish the sends of outbox records whose transaction just committed, in order, and
+    mark each dispatched; the number published. Never raises: a send that could not be
+    published (broker down, store blip) stays pending for the relay, whose lease on it is let
+    go at once."""
+    for row in rows:
+        dispatcher.outbox_event(Event.SENDS_DEFERRED, row.key, (row.text,))
+    published = 0
+    for index, row in enumerate(rows):
+        try:
+            if (
+                row.verify
+                and not dispatcher.store.take_sends(row.key, row.token, dispatcher.lease).sends
+            ):
+                dispatcher.outbox_event(Event.SENDS_DISCARDED, row.key, (row.text,))
+                continue  # rolled back with its savepoint
+        except StoreUnavailable:
+            logger.warning("could not read outbox record %s back; the relay will", row.key)
+            dispatcher.let_go((row.key, row.token) for row in rows[index + 1 :])
+            break
+        if not dispatcher.dispatch(row.key, row.token, (row.text,)):
+            dispatcher.let_go((row.key, row.token) for row in rows[index + 1 :])
+            break
+        published += 1
+        dispatcher.outbox_event(Event.SENDS_DISPATCHED, row.key, (row.text,))
+    return published
+
+
+def discard_uncommitted(dispatcher: Dispatcher, rows: Sequence[OutboxRow]) -> None:
+    """Forget outbox records whose transaction rolled back (nothing of them was stored)."""
+    for row in rows:
+        dispatcher.outbox_event(Event.SENDS_DISCARDED, row.key, (row.text,))
+
 
 #: Where a Session keeps its outbox state (``Session.info``).
 _INFO_KEY = "taskonce_outbox"
@@ -147,77 +245,12 @@ def send_on_commit(
 
     target: Any = bind() if isinstance(bind, scoped_session) else bind
     if isinstance(target, Session):
-        if on_commit is not None:
-            raise ConfigError(
-                "send_on_commit(session, on_commit=…): a Session's commit is seen by taskonce "
-                "itself; on_commit= is for a Connection whose transaction someone else commits"
-            )
-        chosen = _guard_for(guard)
-        store = _sql_store(chosen)
-        _check_bind(store, target)
-        _listen()
-        state = target.info.get(_INFO_KEY)
-        if not isinstance(state, _Outbox) or (not state.rows and state.guard is not chosen):
-            state = target.info[_INFO_KEY] = _Outbox(chosen, store)
-        elif state.guard is not chosen:
-            raise ConfigError(
-                "send_on_commit: this session's transaction already holds sends of another guard"
-            )
-        session = target
-        outbox = state
-
-        def write(text: str) -> None:
-            outbox.write(session.connection(), text, session.in_nested_transaction())
-
-        with handoff.capturing(_OutboxCapture(chosen, write)):
+        with _in_session(target, guard, on_commit):
             yield bind
         return
     if isinstance(target, Connection):
-        chosen = _guard_for(guard)
-        store = _sql_store(chosen)
-        _check_bind(store, target)
-        if on_commit is not None:
-            if not callable(on_commit):
-                raise ConfigError(f"send_on_commit(on_commit={on_commit!r}) must be callable")
-            hooked = _Outbox(chosen, store)
-            joined = target
-
-            def write_joined(text: str) -> None:
-                hooked.write(joined, text, joined.in_nested_transaction())
-
-            with handoff.capturing(_OutboxCapture(chosen, write_joined)):
-                yield bind
-            if hooked.rows:
-                on_commit(hooked.committed)
-            return
-        if target.in_transaction():
-            raise ConfigError(
-                "send_on_commit(connection): the connection is already in a transaction, whose "
-                "commit taskonce cannot see; enter the block before the connection's first "
-                "statement (the block then begins and commits the transaction), or pass a Session"
-            )
-        connection = target
-        outbox = _Outbox(chosen, store)
-
-        def write_through(text: str) -> None:
-            outbox.write(connection, text, connection.in_nested_transaction())
-
-        transaction = connection.begin()
-        try:
-            with handoff.capturing(_OutboxCapture(chosen, write_through)):
-                yield bind
-            if transaction.is_active:
-                transaction.commit()
-            else:  # committed or rolled back inside the block: publish only what is there
-                outbox.rows = [dataclasses.replace(row, verify=True) for row in outbox.rows]
-        except BaseException:
-            try:
-                if transaction.is_active:
-                    transaction.rollback()
-            finally:
-                outbox.discarded()
-            raise
-        outbox.committed()
+        with _on_connection(target, guard, on_commit):
+            yield bind
         return
     raise ConfigError(
         "send_on_commit() needs the SQLAlchemy Session or Connection whose transaction the sends "
@@ -225,7 +258,93 @@ def send_on_commit(
     )
 
 
+@contextlib.contextmanager
+def _in_session(
+    target: Session, guard: Guard | None, on_commit: Callable[[Callable[[], None]], Any] | None
+) -> Iterator[None]:
+    """:func:`send_on_commit` on a Session: the rows go out at its commit (``_listen``)."""
+    if on_commit is not None:
+        raise ConfigError(
+            "send_on_commit(session, on_commit=…): a Session's commit is seen by taskonce "
+            "itself; on_commit= is for a Connection whose transaction someone else commits"
+        )
+    chosen = _guard_for(guard)
+    store = _sql_store(chosen)
+    _check_bind(store, target)
+    _listen()
+    state = target.info.get(_INFO_KEY)
+    if not isinstance(state, _Outbox) or (not state.rows and state.guard is not chosen):
+        state = target.info[_INFO_KEY] = _Outbox(chosen, store)
+    elif state.guard is not chosen:
+        raise ConfigError(
+            "send_on_commit: this session's transaction already holds sends of another guard"
+        )
+    session = target
+    outbox = state
+
+    def write(text: str) -> None:
+        outbox.write(session.connection(), text, session.in_nested_transaction())
+
+    with handoff.capturing(_OutboxCapture(chosen, write)):
+        yield
+
+
+@contextlib.contextmanager
+def _on_connection(
+    target: Connection, guard: Guard | None, on_commit: Callable[[Callable[[], None]], Any] | None
+) -> Iterator[None]:
+    """:func:`send_on_commit` on a Connection: the block is the transaction, or (``on_commit``)
+    someone else's transaction commits it."""
+    chosen = _guard_for(guard)
+    store = _sql_store(chosen)
+    _check_bind(store, target)
+    if on_commit is not None:
+        if not callable(on_commit):
+            raise ConfigError(f"send_on_commit(on_commit={on_commit!r}) must be callable")
+        hooked = _Outbox(chosen, store)
+        joined = target
+
+        def write_joined(text: str) -> None:
+            hooked.write(joined, text, joined.in_nested_transaction())
+
+        with handoff.capturing(_OutboxCapture(chosen, write_joined)):
+            yield
+        if hooked.rows:
+            on_commit(hooked.committed)
+        return
+    if target.in_transaction():
+        raise ConfigError(
+            "send_on_commit(connection): the connection is already in a transaction, whose "
+            "commit taskonce cannot see; enter the block before the connection's first "
+            "statement (the block then begins and commits the transaction), or pass a Session"
+        )
+    connection = target
+    outbox = _Outbox(chosen, store)
+
+    def write_through(text: str) -> None:
+        outbox.write(connection, text, connection.in_nested_transaction())
+
+    transaction = connection.begin()
+    try:
+        with handoff.capturing(_OutboxCapture(chosen, write_through)):
+            yield
+        if transaction.is_active:
+            transaction.commit()
+        else:  # committed or rolled back inside the block: publish only what is there
+            outbox.rows = [dataclasses.replace(row, verify=True) for row in outbox.rows]
+    except BaseException:
+        try:
+            if transaction.is_active:
+                transaction.rollback()
+        finally:
+            outbox.discarded()
+        raise
+    outbox.committed()
+
+
 def _guard_for(guard: Guard | None) -> Guard:
+    from taskonce.guard import Guard  # the guard imports this module
+
     if guard is not None:
         if not isinstance(guard, Guard):
             raise ConfigError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from taskonce.errors import ConfigError
@@ -148,3 +148,70 @@ class Policy:
 
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(Policy))
+
+
+#: Dict overrides applied and kept per guard (:meth:`Policies.resolve`); the cache starts afresh
+#: when full.
+POLICY_CACHE = 1024
+
+
+class Policies:
+    """A guard's policies: the ``default``, one per named queue (a :class:`Policy`, or a dict
+    of fields applied over the default), and per-task overrides applied over a queue's.
+
+    :param check: raises :class:`ConfigError` for a policy the guard's store cannot serve; run
+        on every policy given here and on every override resolved.
+    """
+
+    def __init__(
+        self,
+        default: Policy | Mapping[str, Any] | None,
+        queues: Mapping[str, Policy | Mapping[str, Any]] | None,
+        check: Callable[[Policy], None],
+    ) -> None:
+        self.default = Policy().overridden_by(default)
+        self.queues: dict[str, Policy] = {}
+        for queue, policy in (queues or {}).items():
+            if not isinstance(queue, str) or not queue:
+                raise ConfigError(
+                    f"Guard(queues=…): queue name {queue!r} must be a non-empty string"
+                )
+            try:
+                self.queues[queue] = self.default.overridden_by(policy)
+            except ConfigError as exc:
+                raise ConfigError(f"policy of queue {queue!r}: {exc}") from exc
+        self._check = check
+        self._cache: dict[tuple[str, frozenset[tuple[str, type, Any]]], Policy] = {}
+
+    def check_all(self) -> None:
+        """Run the check on the default and every queue's policy."""
+        for policy in [self.default, *self.queues.values()]:
+            self._check(policy)
+
+    def resolve(self, queue: str, override: Policy | Mapping[str, Any] | None = None) -> Policy:
+        """The policy in force for ``queue``, with a per-task ``override`` applied."""
+        if override is None:
+            return self.queues.get(queue, self.default)
+        if isinstance(override, Policy):
+            # A Policy replaces the queue's whole (Policy.overridden_by): nothing to apply or
+            # cache. Adapters pass one on every delivery.
+            self._check(override)
+            return override
+        cache_key = None
+        if isinstance(override, Mapping):
+            # A dict override is checked and applied once per (queue, its items); values are
+            # told apart by type too, so {"enabled": 1} is refused even after {"enabled": True}.
+            try:
+                cache_key = (queue, frozenset((k, type(v), v) for k, v in override.items()))
+                cached = self._cache.get(cache_key)
+            except TypeError:  # an unhashable value: applied each time
+                cache_key = cached = None
+            if cached is not None:
+                return cached
+        policy = self.queues.get(queue, self.default).overridden_by(override)
+        self._check(policy)
+        if cache_key is not None:
+            if len(self._cache) >= POLICY_CACHE:
+                self._cache.clear()
+            self._cache[cache_key] = policy
+        return policy

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from taskonce.errors import ConfigError
-from taskonce.events import HeldClaims
+from taskonce.events import Event, HeldClaims
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -58,11 +58,11 @@ STORE_OPERATIONS = (
 #: Store calls take from a fraction of a millisecond (one Redis script) to seconds (a timeout).
 STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
-_SENDS = {
-    "sends_deferred": "deferred",
-    "sends_dispatched": "dispatched",
-    "sends_redispatched": "redispatched",
-    "sends_discarded": "discarded",
+_SENDS: dict[str, str] = {
+    Event.SENDS_DEFERRED: "deferred",
+    Event.SENDS_DISPATCHED: "dispatched",
+    Event.SENDS_REDISPATCHED: "redispatched",
+    Event.SENDS_DISCARDED: "discarded",
 }
 
 _registered: weakref.WeakKeyDictionary[CollectorRegistry, _Metrics] = weakref.WeakKeyDictionary()
@@ -185,7 +185,7 @@ class PrometheusEvents:
         if duration_ms is not None:
             metrics.duration.labels(name, *labels).observe(duration_ms / 1000.0)
         recovery_s = event.get("recovery_s")
-        if name == "lease_taken_over" and recovery_s is not None:
+        if name == Event.LEASE_TAKEN_OVER and recovery_s is not None:
             metrics.recovery.labels(labels[0], str(event.get("reason") or "")).observe(recovery_s)
         change = self._held.change(name, event.get("key"), labels)
         if change is not None:

@@ -6,9 +6,12 @@ import contextvars
 from typing import TYPE_CHECKING
 
 from taskonce.errors import TaskonceError
+from taskonce.stores.base import Store, TransactionalStore
+from taskonce.ticket import Ticket, reset_var
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
+
 
 _current: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
     "taskonce_session", default=None
@@ -29,3 +32,27 @@ def current_session() -> Session:
             "transactional=True on an SQL store"
         )
     return session
+
+
+def open_session(store: Store, ticket: Ticket) -> None:
+    """Begin the transactional ``ticket``'s session on ``store`` (an SQL store: policies with
+    ``transactional=True`` are refused for others) and make it :func:`current_session`."""
+    assert isinstance(store, TransactionalStore)
+    session = store.open_session()
+    ticket._session = session
+    ticket._session_token = _current.set(session)
+
+
+def close_session(ticket: Ticket) -> None:
+    """Close the transactional ``ticket``'s session (rolling back whatever was not committed)
+    and take it out of :func:`current_session`."""
+    session = ticket._session
+    if session is None:
+        return
+    ticket._session = None
+    try:
+        session.close()
+    finally:
+        if ticket._session_token is not None:
+            reset_var(_current, ticket._session_token)
+            ticket._session_token = None

@@ -37,7 +37,7 @@ from taskonce.errors import ConfigError, StoreUnavailable
 from taskonce.outage import StoreHealth
 
 if TYPE_CHECKING:
-    from taskonce.stores.base import Store
+    from taskonce.stores.base import Record, Store
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +182,7 @@ class Liveness:
         self._store = store
         self.health = health if health is not None else StoreHealth(store.describe())
         self._stopped = threading.Event()
+        self._thread: tuple[int, threading.Thread] | None = None
         self._reset()
         ref = weakref.ref(self)
         # A fork waits for a liveness write in flight: the writing thread does not exist in the
@@ -207,6 +208,7 @@ class Liveness:
             target=_beat_loop, args=(weakref.ref(self), os.getpid()), name="taskonce-liveness"
         )
         thread.daemon = True
+        self._thread = (os.getpid(), thread)
         thread.start()
 
     def ensure(self) -> None:
@@ -243,9 +245,18 @@ class Liveness:
             return SILENCE_STREAK
         return max(0.0, SILENCE_STREAK - (time.monotonic() - since))
 
-    def stop(self) -> None:
-        """Stop writing (the guard is closed); the record lapses after its window."""
+    def stop(self, timeout: float | None = 0.0) -> None:
+        """Stop writing (the guard is closed); the record lapses after its window. Waits up to
+        ``timeout`` seconds (None: as long as it takes) for this process's thread to end."""
         self._stopped.set()
+        running = self._thread
+        if (
+            timeout != 0
+            and running is not None
+            and running[0] == os.getpid()
+            and running[1] is not threading.current_thread()
+        ):
+            running[1].join(timeout)
 
 
 def _hold_for_fork(ref: weakref.ReferenceType[Liveness]) -> None:
@@ -288,6 +299,45 @@ def _beat_loop(ref: weakref.ReferenceType[Liveness], pid: int) -> None:
         del liveness
         if stopped.wait(BEAT_INTERVAL):
             return
+
+
+#: A deferred duplicate of a live owner's claim comes back this long after the owner's liveness
+#: record would lapse, so that it finds the lapse if the owner died meanwhile.
+LAPSE_MARGIN = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the signs of life say about a claim's owner."""
+
+    dead: bool
+    reason: str | None = None  # why it is taken over: "owner_dead" | "owner_silent"
+    recovery_s: float | None = None  # seconds from its last liveness write to now
+    recheck_in: float | None = None  # when it is alive: judge again after this many seconds
+
+
+def judge_owner(store: Store, record: Record, liveness: Liveness) -> Verdict | None:
+    """Whether the owner of the live claim ``record`` is known dead; None when the claim
+    names no worker identity (written by an older version: only its lease decides).
+
+    Dead: it ran on this host and its process is gone, or its liveness record lapsed while
+    this process could write its own (``liveness``; during a store outage everyone looks
+    silent).
+    """
+    owner = Identity.parse(record.worker)
+    if owner is None or record.owner is None:
+        return None
+    assert record.worker is not None
+    seen = store.seen(record.worker)
+    recovery = None if seen is None else round(seen.ago, 3)
+    if owner_gone(owner):
+        return Verdict(True, "owner_dead", recovery)
+    if seen is not None and seen.remaining > 0:
+        return Verdict(False, recheck_in=seen.remaining + LAPSE_MARGIN)
+    wait = liveness.silence_wait()
+    if wait > 0:
+        return Verdict(False, recheck_in=wait + LAPSE_MARGIN)
+    return Verdict(True, "owner_silent", recovery)
 
 
 __all__ = [

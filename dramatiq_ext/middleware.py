@@ -1,31 +1,11 @@
 """``IdempotencyMiddleware``: Dramatiq's hooks translated into the guard's three calls.
 
-Every decision is the core guard's (:meth:`taskonce.Guard.begin`, ``finish``, ``fail``); this
-class only maps Dramatiq's moments onto them and turns each decision into what Dramatiq
-understands:
-
-=====================  ==================================================================
-guard says             Dramatiq sees
-=====================  ==================================================================
-RUN                    nothing: the actor runs; ``after_*`` finishes (success) or fails
-                       (exception, or a later middleware skipped/failed the delivery)
-UNGUARDED              nothing: the actor runs without a guard (disabled, or fail_open)
-SKIP                   :class:`~.errors.DuplicateSkipped` — acknowledged, not run
-DEFER                  a delayed copy is enqueued (lease remaining), then
-                       :class:`~.errors.InProgressDeferred` — this copy acknowledged
-store down (closed)    a delayed copy is enqueued (backoff), then :class:`~.errors.StoreDown`
-RUN, lazy transaction  a duplicate (or mismatch) may show at the mark, after the actor ran
-                       (``check_first=False``, or two copies at once): rolled back, then
-                       acknowledged (or dead-lettered, or deferred)
-RUN, actor sends       captured (``defer_sends``), as are the next pipeline step and
-                       ``on_success`` callbacks; the outcome is recorded after ``Pipelines``
-                       and ``Callbacks`` ran (by :class:`~.handoff.Finisher`, first in
-                       ``broker.middleware``), then the guard enqueues them
-payload mismatch,      the message is failed, then :class:`~.errors.Rejected` — dead-lettered
-no usable id,
-a ConfigError
-anything unexpected    :class:`~.errors.GuardError` — not run, Dramatiq's failure path
-=====================  ==================================================================
+Every decision is the core guard's (:func:`taskonce.action.before` in
+``before_process_message``, :func:`taskonce.action.after` once the actor succeeded,
+:meth:`taskonce.Guard.fail` otherwise); what Dramatiq sees for each resulting
+:class:`~taskonce.action.Action` is the table :data:`DRAMATIQ` at the end of this module, the
+only place that translation lives. docs/how-it-works.md (*What each framework does with it*)
+shows it beside Celery's.
 
 The skip exceptions derive from ``SkipMessage`` (a ``MiddlewareError``), so ``emit_before``
 does not swallow them and the actor never runs; they skip ``Retries`` and ``on_failure``.
@@ -46,11 +26,13 @@ import logging
 import multiprocessing
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from dramatiq import Middleware
 from dramatiq.common import q_name
 
+from taskonce.action import Action, Do, after, before
 from taskonce.dramatiq_ext.errors import (
     DuplicateSkipped,
     GuardError,
@@ -70,14 +52,8 @@ from taskonce.dramatiq_ext.order import check_order
 from taskonce.dramatiq_ext.redelivery import Redelivery, deferrals
 from taskonce.dramatiq_ext.results import keep_first_result
 from taskonce.dramatiq_ext.tickets import TicketBook
-from taskonce.errors import (
-    ConfigError,
-    InvalidInput,
-    LeaseLost,
-    PayloadMismatch,
-    StoreUnavailable,
-)
-from taskonce.guard import Decision, Delivery, Guard, Ticket
+from taskonce.errors import ConfigError, StoreUnavailable
+from taskonce.guard import Delivery, Guard, Ticket
 from taskonce.outage import START_TIMEOUT
 
 if TYPE_CHECKING:
@@ -277,34 +253,25 @@ class IdempotencyMiddleware(Middleware):
         # The message's fields read from the Message itself: each read through the proxy goes
         # through MessageProxy.__getattr__, nine of them per delivery.
         msg = _message_of(message)
-        try:
-            policy = self.policies.for_name(broker, msg.actor_name)
-            if policy is None:
-                return  # idempotency=False
-            delivery = Delivery(
-                message_id=msg.message_id,
-                queue=self._canonical(msg.queue_name),
-                task=msg.actor_name,
-                framework=FRAMEWORK,
-                attempt=int(msg.options.get("retries", 0)),
-                redelivered=_redelivered(message),
-                override=policy,
-                deferred=deferrals(msg.options),
-            )
-            ticket = self.guard.begin(delivery, msg.args, msg.kwargs)
-        except StoreUnavailable as exc:  # on_store_error="fail_closed"
-            self._put_back_after_store_error(broker, message, exc)
-        except (PayloadMismatch, InvalidInput, ConfigError) as exc:
-            # ConfigError: a configuration that slipped past the boot checks can never run
-            # this message; retrying it would only postpone the dead letter.
-            self._reject(message, exc)
-        except Exception as exc:
-            logger.exception("the guard could not decide on message %s", message.message_id)
-            raise GuardError(
-                f"taskonce could not decide whether to run message {message.message_id!r} "
-                f"({type(exc).__name__}: {exc}); it was not run"
-            ) from exc
-        self._act_on(broker, message, ticket)
+        action = before(
+            self.guard, lambda: self._delivery(broker, message, msg), msg.args, msg.kwargs
+        )
+        DRAMATIQ[action.do][0](self, broker, message, action)
+
+    def _delivery(self, broker: Broker, message: MessageProxy, msg: Any) -> Delivery | None:
+        policy = self.policies.for_name(broker, msg.actor_name)
+        if policy is None:
+            return None  # idempotency=False
+        return Delivery(
+            message_id=msg.message_id,
+            queue=self._canonical(msg.queue_name),
+            task=msg.actor_name,
+            framework=FRAMEWORK,
+            attempt=int(msg.options.get("retries", 0)),
+            redelivered=_redelivered(message),
+            override=policy,
+            deferred=deferrals(msg.options),
+        )
 
     def _canonical(self, queue_name: str) -> str:
         """``q_name(queue_name)`` (``q.DQ``/``q.XQ`` are ``q``), remembered per name."""
@@ -312,26 +279,6 @@ class IdempotencyMiddleware(Middleware):
         if queue is None:
             queue = self._queues[queue_name] = q_name(queue_name)
         return queue
-
-    def _act_on(self, broker: Broker, message: MessageProxy, ticket: Ticket) -> None:
-        decision = ticket.decision
-        if decision is Decision.RUN:
-            self.tickets.hold(message, ticket)
-        elif decision is Decision.SKIP:
-            keep_first_result(message)
-            raise DuplicateSkipped(f"duplicate of {ticket.key!r}: already handled")
-        elif decision is Decision.DEFER:
-            try:
-                delay = self.redelivery.after_lease(broker, message, ticket.retry_after)
-            except Exception as exc:
-                raise GuardError(
-                    f"could not enqueue the deferred copy of {ticket.key!r} ({exc}); it was not run"
-                ) from exc
-            keep_first_result(message)
-            raise InProgressDeferred(
-                f"{ticket.key!r} is being processed elsewhere; delivered again in {delay} ms"
-            )
-        # Decision.UNGUARDED: run as is.
 
     def _put_back_after_store_error(
         self, broker: Broker, message: MessageProxy, exc: StoreUnavailable
@@ -404,70 +351,134 @@ class IdempotencyMiddleware(Middleware):
         self._finish(broker, message, ticket, result)
 
     def _finish(self, broker: Broker, message: MessageProxy, ticket: Ticket, result: Any) -> None:
+        action = after(self.guard, ticket, result)
+        DRAMATIQ[action.do][1](self, broker, message, action)
+
+    # -- the rows of the table (DRAMATIQ, below the class) ---------------------------------
+
+    def _hold(self, broker: Broker, message: MessageProxy, action: Action) -> None:
+        assert action.ticket is not None
+        self.tickets.hold(message, action.ticket)
+
+    def _as_is(self, broker: Broker, message: MessageProxy, action: Action) -> None:
+        """Nothing to do: the actor runs (unguarded), or the outcome is recorded."""
+        if action.error is not None:  # recorded without its result, or not at all
+            logger.error("message %s ran: %s", message.message_id, action.error)
+
+    def _skip(self, broker: Broker, message: MessageProxy, action: Action) -> None:
+        keep_first_result(message)  # the first run's stored result stays
+        if not action.ran:
+            key = None if action.ticket is None else action.ticket.key
+            raise DuplicateSkipped(f"duplicate of {key!r}: already handled")
+
+    def _defer(self, broker: Broker, message: MessageProxy, action: Action) -> None:
+        key = None if action.ticket is None else action.ticket.key
         try:
-            self.guard.finish(ticket, result)
-        except PayloadMismatch as exc:
-            # Lazy transactional: found at the mark, the actor's writes and sends rolled back.
-            # Dead-lettered like a mismatch found before the actor ran.
-            logger.error("message %r dead-lettered, rolled back: %s", message.message_id, exc)
-            keep_first_result(message)
-            message.fail()
-        except LeaseLost:
-            # Emitted by the guard. Transactional: nothing committed; the owner that took the
-            # claim over commits. Otherwise the actor's effects stand beside the other run's.
-            logger.warning("lease of %s was lost while message %s ran", ticket.key, message)
-        except InvalidInput as exc:
-            logger.error("%s", exc)
+            delay = self.redelivery.after_lease(broker, message, action.delay)
         except Exception as exc:
-            if not ticket.policy.transactional:
-                logger.error(
-                    "message %s ran but %s could not be recorded (%s); a redelivery after the "
-                    "lease may run it again",
-                    message.message_id,
-                    ticket.key,
-                    exc,
-                )
-                return
-            # The actor's transaction was rolled back with the mark: run it again later.
-            self.guard.fail(ticket, exc)
-            try:
-                delay = self.redelivery.after_store_error(broker, message)
-            except Exception:
-                logger.exception(
-                    "message %s: transaction rolled back (%s) and the redelivery failed; its "
-                    "effects are NOT recorded",
-                    message.message_id,
-                    exc,
-                )
-                return
-            logger.warning(
-                "message %s: transaction of %s rolled back (%s); delivered again in %d ms",
+            if not action.ran:
+                raise GuardError(
+                    f"could not enqueue the deferred copy of {key!r} ({exc}); it was not run"
+                ) from exc
+            logger.exception(
+                "message %s: rolled back behind a claim in progress, and the redelivery "
+                "failed; it is NOT recorded",
                 message.message_id,
-                ticket.key,
-                exc,
-                delay,
+            )
+        keep_first_result(message)
+        if not action.ran:
+            raise InProgressDeferred(
+                f"{key!r} is being processed elsewhere; delivered again in {delay} ms"
+            )
+
+    def _back_off(self, broker: Broker, message: MessageProxy, action: Action) -> None:
+        if not action.ran:
+            assert isinstance(action.error, StoreUnavailable)
+            self._put_back_after_store_error(broker, message, action.error)
+        # The actor's transaction was rolled back with the mark (the guard released the
+        # claim): run it again later.
+        try:
+            delay = self.redelivery.after_store_error(broker, message)
+        except Exception:
+            logger.exception(
+                "message %s: transaction rolled back (%s) and the redelivery failed; its "
+                "effects are NOT recorded",
+                message.message_id,
+                action.error,
             )
             return
-        if ticket.decision is Decision.SKIP:
-            # Lazy transactional: a duplicate, found at the mark and rolled back; the first
-            # run's stored result stays.
-            keep_first_result(message)
-        elif ticket.decision is Decision.DEFER:
-            try:
-                self.redelivery.after_lease(broker, message, ticket.retry_after)
-            except Exception:
-                logger.exception(
-                    "message %s: rolled back behind a claim in progress, and the redelivery "
-                    "failed; it is NOT recorded",
-                    message.message_id,
-                )
-            keep_first_result(message)
+        key = None if action.ticket is None else action.ticket.key
+        logger.warning(
+            "message %s: transaction of %s rolled back (%s); delivered again in %d ms",
+            message.message_id,
+            key,
+            action.error,
+            delay,
+        )
+
+    def _dead_letter(self, broker: Broker, message: MessageProxy, action: Action) -> None:
+        assert isinstance(action.error, Exception)
+        if not action.ran:
+            self._reject(message, action.error)
+        # Lazy transactional: found at the mark, the actor's writes and sends rolled back.
+        logger.error("message %r dead-lettered, rolled back: %s", message.message_id, action.error)
+        keep_first_result(message)
+        message.fail()
+
+    def _lost(self, broker: Broker, message: MessageProxy, action: Action) -> None:
+        # Emitted by the guard. Transactional: nothing committed; the owner that took the
+        # claim over commits. Otherwise the actor's effects stand beside the other run's.
+        key = None if action.ticket is None else action.ticket.key
+        logger.warning("lease of %s was lost while message %s ran", key, message)
+
+    def _error(self, broker: Broker, message: MessageProxy, action: Action) -> None:
+        error, ticket = action.error, action.ticket
+        if not action.ran:
+            logger.error(
+                "the guard could not decide on message %s",
+                message.message_id,
+                exc_info=error,
+            )
+            raise GuardError(
+                f"taskonce could not decide whether to run message {message.message_id!r} "
+                f"({type(error).__name__}: {error}); it was not run"
+            ) from error
+        assert ticket is not None and isinstance(error, Exception)
+        if ticket.policy.transactional:
+            self.guard.fail(ticket, error)
+            self._back_off(broker, message, action)
+            return
+        logger.error(
+            "message %s ran but %s could not be recorded (%s); a redelivery after the lease may "
+            "run it again",
+            message.message_id,
+            ticket.key,
+            error,
+        )
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         """A middleware after this one skipped a delivery this middleware claimed: release."""
         ticket = self.tickets.take(message)
         if ticket is not None:
             self.guard.fail(ticket)
+
+
+#: What Dramatiq does with each :class:`~taskonce.action.Action` — the only place the
+#: translation lives (docs/how-it-works.md, *What each framework does with it*): before the
+#: actor runs (``before_process_message``) and after it succeeded (``after_process_message``
+#: or the finisher). The skips raise a ``SkipMessage``: the actor does not run, no retry counted.
+_Row = Callable[["IdempotencyMiddleware", "Broker", "MessageProxy", Action], None]
+DRAMATIQ: dict[Do, tuple[_Row, _Row]] = {
+    Do.RUN: (IdempotencyMiddleware._hold, IdempotencyMiddleware._as_is),
+    Do.RUN_UNGUARDED: (IdempotencyMiddleware._as_is, IdempotencyMiddleware._as_is),
+    Do.ACK: (IdempotencyMiddleware._as_is, IdempotencyMiddleware._as_is),
+    Do.SKIP: (IdempotencyMiddleware._skip, IdempotencyMiddleware._skip),  # DuplicateSkipped
+    Do.REDELIVER: (IdempotencyMiddleware._defer, IdempotencyMiddleware._defer),  # a delayed copy
+    Do.BACK_OFF: (IdempotencyMiddleware._back_off, IdempotencyMiddleware._back_off),  # StoreDown
+    Do.REJECT: (IdempotencyMiddleware._dead_letter, IdempotencyMiddleware._dead_letter),
+    Do.LOST: (IdempotencyMiddleware._lost, IdempotencyMiddleware._lost),
+    Do.RAISE: (IdempotencyMiddleware._error, IdempotencyMiddleware._error),  # GuardError
+}
 
 
 def _message_of(message: MessageProxy) -> Any:

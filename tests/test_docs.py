@@ -342,7 +342,7 @@ def test_the_api_reference_links_its_cross_references(built_site: Path) -> None:
     assert link("taskonce.JsonlEvents", "JsonlEvents").search(page)  # :class:`~taskonce.…`
     assert link("taskonce.errors.LeaseLost", "LeaseLost").search(page)  # from taskonce.stores
     # A private helper (not rendered) and another library's class: code text.
-    assert re.search(r'<span title="[^"]*\._claims"><code>_claims</code></span>', page)
+    assert re.search(r'<span title="[^"]*\._decide"><code>_decide</code></span>', page)
     assert "<code>sqlalchemy.orm.Session</code>" not in page  # ~ shows the last component
     assert re.search(r"<code>Session</code>", page)
     assert "<autoref" not in page

@@ -1,0 +1,119 @@
+"""The outcome of a delivery as one small type: what an adapter does with the message.
+
+:func:`before` asks the guard before the handler runs, :func:`after` records a successful run;
+each answers one :class:`Action`. Every framework maps the kinds (:class:`Do`) onto its own
+words in one table — ``celery_ext/task.py`` and ``dramatiq_ext/middleware.py`` — and nowhere
+else; docs/how-it-works.md (*What each framework does with it*) shows both in one table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from taskonce.errors import (
+    ConfigError,
+    InvalidInput,
+    LeaseLost,
+    PayloadMismatch,
+    StoreUnavailable,
+)
+from taskonce.ticket import Decision, Delivery, Ticket
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from taskonce.guard import Guard
+
+
+class Do(str, enum.Enum):
+    """What to do with a delivery."""
+
+    RUN = "run"  # run the handler, then after() (or Guard.fail when it raises)
+    RUN_UNGUARDED = "run_unguarded"  # run it without a guard (disabled, or store down fail_open)
+    ACK = "ack"  # the outcome is recorded: acknowledge as the framework does after a success
+    SKIP = "skip"  # a duplicate: acknowledge; no result stored, no callbacks, no retry
+    REDELIVER = "redeliver"  # in progress elsewhere: the same message again after ``delay`` s
+    BACK_OFF = "back_off"  # store unreachable (fail_closed): again after the framework's backoff
+    REJECT = "reject"  # never runnable (payload mismatch, unusable id, config error): dead-letter
+    LOST = "lost"  # the claim was taken over while the handler ran: the other run is of record
+    RAISE = "raise"  # an unexpected error: the framework's failure path
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One delivery's outcome: what to do (``do``), and with what.
+
+    :param do: the kind.
+    :param ticket: the guard's ticket, when it made one.
+    :param delay: :attr:`Do.REDELIVER`: seconds until the copy is delivered.
+    :param error: the exception behind ``BACK_OFF``, ``REJECT``, ``LOST`` and ``RAISE``; on
+        ``ACK``, a problem to log (the result could not be stored, or, outside a transaction,
+        the outcome could not be recorded).
+    :param ran: the handler ran (the action comes from :func:`after`).
+    """
+
+    do: Do
+    ticket: Ticket | None = None
+    delay: float = 0.0
+    error: BaseException | None = None
+    ran: bool = False
+
+
+def before(
+    guard: Guard,
+    delivery: Callable[[], Delivery | None],
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+) -> Action:
+    """Ask ``guard`` what to do with a delivery before its handler runs. ``delivery()`` builds
+    it (a configuration error there is refused like the guard's own); None: not guarded."""
+    try:
+        described = delivery()
+        if described is None:
+            return Action(Do.RUN_UNGUARDED)
+        ticket = guard.begin(described, args, kwargs)
+    except StoreUnavailable as exc:  # on_store_error="fail_closed"
+        return Action(Do.BACK_OFF, error=exc)
+    except (InvalidInput, PayloadMismatch, ConfigError) as exc:
+        return Action(Do.REJECT, error=exc)
+    except Exception as exc:
+        return Action(Do.RAISE, error=exc)
+    return _of(ticket, ran=False)
+
+
+def after(guard: Guard, ticket: Ticket, result: Any) -> Action:
+    """Record the successful run of ``ticket``'s handler (:meth:`Guard.finish`) and say what
+    to do with the message. A transactional run whose commit failed is rolled back
+    (:meth:`Guard.fail`) and backs off: its writes are gone, it must run again."""
+    try:
+        guard.finish(ticket, result)
+    except LeaseLost as exc:
+        return Action(Do.LOST, ticket, error=exc, ran=True)
+    except StoreUnavailable as exc:
+        if not ticket.policy.transactional:
+            return Action(Do.ACK, ticket, error=exc, ran=True)  # effects stand, unrecorded
+        guard.fail(ticket, exc)
+        return Action(Do.BACK_OFF, ticket, error=exc, ran=True)
+    except InvalidInput as exc:  # store_result and a result JSON cannot hold: recorded without
+        return Action(Do.ACK, ticket, error=exc, ran=True)
+    except PayloadMismatch as exc:  # found at a transactional mark, rolled back
+        return Action(Do.REJECT, ticket, error=exc, ran=True)
+    except Exception as exc:
+        return Action(Do.RAISE, ticket, error=exc, ran=True)
+    return _of(ticket, ran=True)
+
+
+def _of(ticket: Ticket, ran: bool) -> Action:
+    """The action of the guard's decision (after a transactional run, the decision may have
+    turned into a skip or a deferral)."""
+    decision = ticket.decision
+    if decision is Decision.RUN:
+        return Action(Do.ACK if ran else Do.RUN, ticket, ran=ran)
+    if decision is Decision.UNGUARDED:
+        return Action(Do.RUN_UNGUARDED, ticket)
+    if decision is Decision.SKIP:
+        return Action(Do.SKIP, ticket, ran=ran)
+    return Action(Do.REDELIVER, ticket, delay=ticket.retry_after, ran=ran)
