@@ -226,6 +226,10 @@ def make_guard(config: Config) -> taskonce.Guard:
         default=taskonce.Policy() if config.lease is None else taskonce.Policy(lease=config.lease),
         queues=queues,
         events=[taskonce.JsonlEvents(config.events)],
+        # A dead recorder's sends wait for its hold to run out (min(dispatch_lease, 10 s))
+        # before a redelivery or the relay publishes them: 3 s here, so the crash tests wait
+        # 3 s for it instead of 10; publishing takes milliseconds on loopback.
+        dispatch_lease=3.0,
     )
 
 
