@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from taskonce.demo import common as _demo
+from taskonce.events import Event
 
 #: every n-th charge is published a second time with the same task id
 DUPLICATE_EVERY = 5
@@ -37,7 +38,12 @@ DUPLICATE_EVERY = 5
 LEASE = 4.0
 #: the demo gives up (and reports what it saw) after this many seconds
 DEADLINE = 55.0
-_DECISIONS = ("claimed", "lease_taken_over", "duplicate_skipped", "in_progress_deferred")
+_DECISIONS = (
+    Event.CLAIMED.value,
+    Event.LEASE_TAKEN_OVER.value,
+    Event.DUPLICATE_SKIPPED.value,
+    Event.IN_PROGRESS_DEFERRED.value,
+)
 
 
 def broker_options(broker: str, namespace: str) -> dict[str, Any]:
@@ -195,10 +201,10 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
                     if progress.tty:
                         out.write("\r" + " " * 90 + "\r")
                     out.write(f"{killed} (SIGKILL)\n")
-            progress.draw(counts["completed"], counts)
+            progress.draw(counts[Event.COMPLETED.value], counts)
             finished = (
-                counts["completed"] >= count
-                and counts["duplicate_skipped"] >= len(duplicates)
+                counts[Event.COMPLETED.value] >= count
+                and counts[Event.DUPLICATE_SKIPPED.value] >= len(duplicates)
                 and killed is not None
             )
             if finished or time.monotonic() > deadline or worker.poll() is not None:
@@ -215,9 +221,9 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
         rows, balance = _demo.read_ledger(store_url, ledger, ledger_table)
         expected = sum(cents for _, cents, _ in orders)
         delivered = sum(counts[name] for name in _DECISIONS)
-        ran = counts["claimed"] + counts["lease_taken_over"]
-        interrupted = ran - counts["completed"]
-        ok = rows == count and balance == expected and counts["completed"] == count
+        ran = counts[Event.CLAIMED.value] + counts[Event.LEASE_TAKEN_OVER.value]
+        interrupted = ran - counts[Event.COMPLETED.value]
+        ok = rows == count and balance == expected and counts[Event.COMPLETED.value] == count
         out.write("\n")
         lines = [
             ("sent", str(count + len(duplicates)),
@@ -228,9 +234,9 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
              f"{counts['completed']} charges completed"
              + (f" + {interrupted} killed mid-charge, its claim taken over, run again"
                 if interrupted else "")),
-            ("duplicates skipped", str(counts["duplicate_skipped"]),
+            ("duplicates skipped", str(counts[Event.DUPLICATE_SKIPPED.value]),
              "acknowledged without running"),
-            ("deferred in flight", str(counts["in_progress_deferred"]),
+            ("deferred in flight", str(counts[Event.IN_PROGRESS_DEFERRED.value]),
              "arrived while the charge was running: delivered again later"),
         ]  # fmt: skip
         return _demo.report(

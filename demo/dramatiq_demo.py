@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from taskonce.demo import common as _demo
+from taskonce.events import Event
 
 #: every n-th charge is published a second time with the same message id
 DUPLICATE_EVERY = 5
@@ -48,7 +49,12 @@ DEADLINE = 90.0
 #: the Redis the demo falls back to when it cannot start its own
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 WORKERS = 2
-_DECISIONS = ("claimed", "lease_taken_over", "duplicate_skipped", "in_progress_deferred")
+_DECISIONS = (
+    Event.CLAIMED.value,
+    Event.LEASE_TAKEN_OVER.value,
+    Event.DUPLICATE_SKIPPED.value,
+    Event.IN_PROGRESS_DEFERRED.value,
+)
 
 
 class _EmbeddedRedis:
@@ -282,7 +288,7 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
             progress.draw(charged, counts)
             finished = (
                 charged >= count
-                and counts["duplicate_skipped"] >= len(duplicates)
+                and counts[Event.DUPLICATE_SKIPPED.value] >= len(duplicates)
                 and killed is not None
             )
             alive = [w for w in workers if w.poll() is None]
@@ -302,8 +308,8 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
         rows, balance = _demo.read_ledger(store_url, ledger, ledger_table)
         expected = sum(cents for _, cents, _ in orders)
         delivered = sum(counts[name] for name in _DECISIONS)
-        ran = counts["claimed"] + counts["lease_taken_over"]
-        interrupted = ran - counts["completed"]
+        ran = counts[Event.CLAIMED.value] + counts[Event.LEASE_TAKEN_OVER.value]
+        interrupted = ran - counts[Event.COMPLETED.value]
         ok = rows == count and balance == expected
         out.write("\n")
         lines = [
@@ -315,9 +321,9 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
              f"{counts['completed']} charges completed"
              + (f" + {interrupted} killed mid-charge (its claim taken over and run again, or "
                 "committed just before the kill)" if interrupted else "")),
-            ("duplicates skipped", str(counts["duplicate_skipped"]),
+            ("duplicates skipped", str(counts[Event.DUPLICATE_SKIPPED.value]),
              "acknowledged without running"),
-            ("deferred in flight", str(counts["in_progress_deferred"]),
+            ("deferred in flight", str(counts[Event.IN_PROGRESS_DEFERRED.value]),
              "arrived while the charge was running: enqueued again for later"),
         ]  # fmt: skip
         return _demo.report(

@@ -14,6 +14,7 @@ import urllib.parse
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from taskonce.events import Event
 from taskonce.spark_ext.common import (
     KNOWN_EVENTS,
     NONE_NAME,
@@ -133,9 +134,9 @@ def classify(events: DataFrame, keep_for_s: float | None = None) -> DataFrame:
 
     events = _running(events)
     dup_kind = _per_key(
-        F.when(F.col("event") == "duplicate_skipped", "skipped")
-        .when(F.col("event") == "in_progress_deferred", "in_flight")
-        .when(F.col("event") == "concurrent_duplicate", "concurrent")
+        F.when(F.col("event") == Event.DUPLICATE_SKIPPED.value, "skipped")
+        .when(F.col("event") == Event.IN_PROGRESS_DEFERRED.value, "in_flight")
+        .when(F.col("event") == Event.CONCURRENT_DUPLICATE.value, "concurrent")
         .when(in_names("event", RUN_EVENTS) & (F.col("done_before") > 0), "rerun")
     )
     events = events.withColumn("dup_kind", dup_kind)
@@ -303,7 +304,7 @@ def group_by_key(events: DataFrame) -> DataFrame:
     )
     # a leaked run: a concurrent duplicate, or a run after the key's first completion
     after_done = F.slice(names, F.col("first_done") + 1, F.size(names) - F.col("first_done"))
-    leaked = F.array_contains(names, F.lit("concurrent_duplicate")) | (
+    leaked = F.array_contains(names, F.lit(Event.CONCURRENT_DUPLICATE.value)) | (
         (F.col("first_done") > 0) & any_of(after_done, RUN_EVENTS)
     )
     delivered = any_of(names, DELIVERY_EVENTS)
@@ -352,9 +353,9 @@ def classified_events(grouped: DataFrame, keep_for_s: float | None) -> DataFrame
     keyed = F.col("key").isNotNull()
     dup_kind = F.when(
         keyed,
-        F.when(F.col("event") == "duplicate_skipped", "skipped")
-        .when(F.col("event") == "in_progress_deferred", "in_flight")
-        .when(F.col("event") == "concurrent_duplicate", "concurrent")
+        F.when(F.col("event") == Event.DUPLICATE_SKIPPED.value, "skipped")
+        .when(F.col("event") == Event.IN_PROGRESS_DEFERRED.value, "in_flight")
+        .when(F.col("event") == Event.CONCURRENT_DUPLICATE.value, "concurrent")
         .when(in_names("event", RUN_EVENTS) & F.col("_done_before"), "rerun"),
     )
     flat = flat.withColumn("dup_kind", dup_kind).withColumn(

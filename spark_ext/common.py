@@ -7,7 +7,7 @@ import datetime
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from taskonce.events import EVENT_NAMES
+from taskonce.events import EVENT_NAMES, Event
 from taskonce.spark_ext.semantics import RECHECK_EVENT
 
 if TYPE_CHECKING:
@@ -24,7 +24,12 @@ APPROX_ACCURACY = 100_000
 #: Scope name for events without a queue or task.
 NONE_NAME = "(none)"
 #: The hand-off's events.
-SENDS_EVENTS = ("sends_deferred", "sends_dispatched", "sends_redispatched", "sends_discarded")
+SENDS_EVENTS = (
+    Event.SENDS_DEFERRED.value,
+    Event.SENDS_DISPATCHED.value,
+    Event.SENDS_REDISPATCHED.value,
+    Event.SENDS_DISCARDED.value,
+)
 
 
 def in_names(column: str, names: Iterable[str]) -> Column:

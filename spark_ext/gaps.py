@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from taskonce.events import Event
 from taskonce.spark_ext.classification import classified_events
 from taskonce.spark_ext.common import (
     APPROX_ACCURACY,
@@ -73,7 +74,7 @@ def add_percentiles(kept: DataFrame, scopes: dict[str, dict[str, Any]]) -> bool:
     # life to the takeover) and the gap percentiles: each aggregate sees only its own rows'
     # values (the others' are null, which both percentiles skip), and a scope takes each
     # figure only when it has rows of that kind, as when they were two aggregations.
-    takeover = F.col("event") == "lease_taken_over"
+    takeover = F.col("event") == Event.LEASE_TAKEN_OVER.value
     recovery = F.when(takeover, F.col("recovery_s"))
     has_gap = F.col("gap_ms").isNotNull()
     for scope, name, values in scoped(

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from taskonce.errors import TaskonceError
-from taskonce.events import FIELDS
+from taskonce.events import FIELDS, Event
 from taskonce.spark_ext.semantics import RECHECK_EVENT
 
 if TYPE_CHECKING:
@@ -279,7 +279,7 @@ def _normalise(frame: DataFrame) -> DataFrame:
         ts_ms = F.unix_millis(F.col("ts").cast("string").try_cast("timestamp"))
     corrupt = F.col(CORRUPT_COLUMN) if CORRUPT_COLUMN in types else F.lit(None).cast("string")
     # A copy the guard deferred again is named apart, so that it counts as no delivery.
-    recheck = (F.col("event") == "in_progress_deferred") & (F.col("reason") == "recheck")
+    recheck = (F.col("event") == Event.IN_PROGRESS_DEFERRED.value) & (F.col("reason") == "recheck")
     return frame.select(
         ts_ms.alias("t_ms"),
         *columns,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from taskonce.events import Event
 from taskonce.spark_ext.common import SENDS_EVENTS, any_of, first_position
 from taskonce.spark_ext.scopes import scoped
 from taskonce.spark_ext.semantics import CLAIM_END_EVENTS, CLAIM_START_EVENTS
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
 
 #: The events the gaps pass keeps whatever their dup_kind.
-KEPT_EVENTS = (*SENDS_EVENTS, "lease_taken_over")
+KEPT_EVENTS = (*SENDS_EVENTS, Event.LEASE_TAKEN_OVER.value)
 
 
 def rare_rows(grouped: DataFrame, grace_s: float) -> DataFrame:
@@ -51,7 +52,7 @@ def _claim(position: Column, index: Column) -> Column:
         F.transform(
             F.filter(
                 span,
-                lambda e: (e["event"] == "lease_renewed") & e["worker"].eqNullSafe(owner),
+                lambda e: (e["event"] == Event.LEASE_RENEWED.value) & e["worker"].eqNullSafe(owner),
             ),
             lambda e: e["t_ms"],
         )
@@ -62,7 +63,7 @@ def _claim(position: Column, index: Column) -> Column:
                 span,
                 lambda e: (
                     F.array_contains(end_names, e["event"])
-                    & ((e["event"] != "lease_lost") | e["worker"].eqNullSafe(owner))
+                    & ((e["event"] != Event.LEASE_LOST.value) | e["worker"].eqNullSafe(owner))
                 ),
             ),
             lambda e: e["t_ms"],
@@ -151,7 +152,7 @@ def may_be_stuck(grace_s: float) -> Column:
     after_last_start = F.slice(
         names, count - last_start_from_end + 2, F.greatest(last_start_from_end - 1, F.lit(0))
     )
-    ending = [name for name in CLAIM_END_EVENTS if name != "lease_lost"]
+    ending = [name for name in CLAIM_END_EVENTS if name != Event.LEASE_LOST.value]
     open_at_end = ~any_of(after_last_start, ending)
     return last_start_from_end.isNotNull() & least_lease.isNotNull() & (long_enough | open_at_end)
 
@@ -163,7 +164,11 @@ def notable() -> Column:
     one."""
     from pyspark.sql import functions as F
 
-    duplicates = ("duplicate_skipped", "in_progress_deferred", "concurrent_duplicate")
+    duplicates = (
+        Event.DUPLICATE_SKIPPED.value,
+        Event.IN_PROGRESS_DEFERRED.value,
+        Event.CONCURRENT_DUPLICATE.value,
+    )
     return any_of(F.col("events")["event"], (*duplicates, *KEPT_EVENTS)) | F.col("leaked")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from taskonce.events import Event
 from taskonce.spark_ext.common import SENDS_EVENTS, flag, in_names, scope_key
 from taskonce.spark_ext.semantics import GAP_BUCKETS
 
@@ -165,12 +166,15 @@ def scope_aggregates() -> dict[str, tuple[str, Column]]:
         malformed=("sum", F.sum(1 - F.col("is_valid"))),
         deliveries=("sum", F.sum("is_delivery")),
         runs=("sum", F.sum("is_run")),
-        duplicates_skipped=("sum", F.sum(flag(F.col("event") == "duplicate_skipped"))),
-        duplicates_in_flight=("sum", F.sum(flag(F.col("event") == "in_progress_deferred"))),
+        duplicates_skipped=("sum", F.sum(flag(F.col("event") == Event.DUPLICATE_SKIPPED.value))),
+        duplicates_in_flight=(
+            "sum",
+            F.sum(flag(F.col("event") == Event.IN_PROGRESS_DEFERRED.value)),
+        ),
         leaked_runs=("sum", F.sum(F.coalesce(F.col("leaked_run"), F.lit(0)))),
         failures=("sum", F.sum("is_failure")),
-        releases=("sum", F.sum(flag(F.col("event") == "released"))),
-        takeovers=("sum", F.sum(flag(F.col("event") == "lease_taken_over"))),
+        releases=("sum", F.sum(flag(F.col("event") == Event.RELEASED.value))),
+        takeovers=("sum", F.sum(flag(F.col("event") == Event.LEASE_TAKEN_OVER.value))),
         near_misses=("sum", F.sum(F.coalesce(F.col("near_miss"), F.lit(0)))),
         distinct_keys=("sum", F.sum("key_delivered")),
         leaks=("sum", F.sum("key_leaked")),

@@ -11,28 +11,45 @@ import math
 import re
 from typing import Any
 
+from taskonce.events import Event
+
 #: A delivery: the broker handed the message to a worker and the guard decided something.
 DELIVERY_EVENTS = (
-    "claimed",
-    "lease_taken_over",
-    "marked",
-    "duplicate_skipped",
-    "in_progress_deferred",
-    "concurrent_duplicate",
-    "payload_mismatch",
+    Event.CLAIMED.value,
+    Event.LEASE_TAKEN_OVER.value,
+    Event.MARKED.value,
+    Event.DUPLICATE_SKIPPED.value,
+    Event.IN_PROGRESS_DEFERRED.value,
+    Event.CONCURRENT_DUPLICATE.value,
+    Event.PAYLOAD_MISMATCH.value,
 )
 #: A run: a handler ran (eager claims and take-overs; lazy marks and concurrent duplicates).
-RUN_EVENTS = ("claimed", "lease_taken_over", "marked", "concurrent_duplicate")
+RUN_EVENTS = (
+    Event.CLAIMED.value,
+    Event.LEASE_TAKEN_OVER.value,
+    Event.MARKED.value,
+    Event.CONCURRENT_DUPLICATE.value,
+)
 #: A claim starts (eager mode): the key is held by one owner until it ends.
-CLAIM_START_EVENTS = ("claimed", "lease_taken_over")
+CLAIM_START_EVENTS = (Event.CLAIMED.value, Event.LEASE_TAKEN_OVER.value)
 #: A claim ends: completed or released by its owner, or the owner learnt it lost the lease.
-CLAIM_END_EVENTS = ("completed", "released", "marked", "lease_lost")
+CLAIM_END_EVENTS = (
+    Event.COMPLETED.value,
+    Event.RELEASED.value,
+    Event.MARKED.value,
+    Event.LEASE_LOST.value,
+)
 #: The key is handled: from here on, another run is a leak.
-DONE_EVENTS = ("completed", "marked")
+DONE_EVENTS = (Event.COMPLETED.value, Event.MARKED.value)
 #: A gap is measured from the first of these for the key ("its first claim or mark").
-ANCHOR_EVENTS = (*RUN_EVENTS, "completed")
+ANCHOR_EVENTS = (*RUN_EVENTS, Event.COMPLETED.value)
 #: A delivery or run that did not end in success or a deliberate skip.
-FAILURE_EVENTS = ("released", "lease_lost", "store_error", "payload_mismatch")
+FAILURE_EVENTS = (
+    Event.RELEASED.value,
+    Event.LEASE_LOST.value,
+    Event.STORE_ERROR.value,
+    Event.PAYLOAD_MISMATCH.value,
+)
 #: What the input calls an ``in_progress_deferred`` with ``reason: "recheck"``: the guard
 #: deferring again a copy it had deferred before (still in progress elsewhere). Not a delivery,
 #: not a duplicate: a copy deferred five times is one duplicate in flight, not five.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 from typing import TYPE_CHECKING, Any
 
+from taskonce.events import Event
 from taskonce.spark_ext.common import (
     APPROX_ACCURACY,
     NONE_NAME,
@@ -81,11 +82,13 @@ def _dispatch_lags(events: DataFrame) -> DataFrame:
     from pyspark.sql import functions as F
 
     deferred = (
-        events.filter(F.col("event") == "sends_deferred")
+        events.filter(F.col("event") == Event.SENDS_DEFERRED.value)
         .groupBy("part", "record")
         .agg(F.min("t_ms").alias("deferred_ms"))
     )
-    sent = events.filter(in_names("event", ("sends_dispatched", "sends_redispatched"))).select(
+    sent = events.filter(
+        in_names("event", (Event.SENDS_DISPATCHED.value, Event.SENDS_REDISPATCHED.value))
+    ).select(
         F.col("part").alias("sent_part"),
         F.col("record").alias("sent_record"),
         F.col("t_ms").alias("sent_ms"),
@@ -138,7 +141,7 @@ def handoff_figures(
     }
     discarded = {
         row["part"]: int(row["count"])
-        for row in events.filter(F.col("event") == "sends_discarded")
+        for row in events.filter(F.col("event") == Event.SENDS_DISCARDED.value)
         .groupBy("part")
         .count()
         .collect()
