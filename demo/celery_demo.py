@@ -15,11 +15,10 @@ afterwards.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
-import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,12 +37,6 @@ DUPLICATE_EVERY = 5
 LEASE = 4.0
 #: the demo gives up (and reports what it saw) after this many seconds
 DEADLINE = 55.0
-_DECISIONS = (
-    Event.CLAIMED.value,
-    Event.LEASE_TAKEN_OVER.value,
-    Event.DUPLICATE_SKIPPED.value,
-    Event.IN_PROGRESS_DEFERRED.value,
-)
 
 
 def broker_options(broker: str, namespace: str) -> dict[str, Any]:
@@ -63,207 +56,264 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
     :param count: charge tasks to send (a fifth of them are sent twice).
     :param out: where the progress and the report are written.
     """
-    if count < 1:
-        out.write("taskonce demo: --count must be at least 1\n")
-        return 2
-    if store is not None and store.startswith("memory"):
-        out.write(
-            "taskonce demo: the worker's processes must share the store; use sqlite:///…, "
-            "redis://… or postgresql+psycopg://… (memory:// lives in one process)\n"
-        )
+    refusal = _check_arguments(store, count)
+    if refusal:
+        out.write(refusal)
         return 2
     started = time.monotonic()
-    workdir = Path(tempfile.mkdtemp(prefix="taskonce-demo-"))
-    tag = uuid.uuid4().hex[:8]
-    namespace = f"taskonce_demo_{tag}"
-    store_url = store or f"sqlite:///{workdir / 'store.db'}"
-    broker_url = broker or f"sqla+sqlite:///{workdir / 'broker.db'}"
-    queue = f"taskonce-demo-{tag}"
-    sql = _demo.is_sql(store_url)
-    ledger_table = f"taskonce_demo_ledger_{tag}"
-    ledger = f"sql:{ledger_table}" if sql else f"sqlite:{workdir / 'ledger.db'}"
-
-    rng = random.Random(20261122)
-    orders = [(f"order-{i:04d}", rng.randint(100, 9999), str(uuid.uuid4())) for i in range(count)]
-    duplicates = [i for i in range(count) if i % DUPLICATE_EVERY == 2]
-    victim = count // 3
-    while victim in duplicates and victim + 1 < count:
-        victim += 1
-
-    from taskonce.stores import redact
-
-    out.write("taskonce demo — a real Celery worker (prefork, 2 pool processes)\n")
-    out.write(f"  broker  {redact(broker_url)}\n")
-    out.write(
-        f"  store   {redact(store_url)}"
-        + (" (transactional: ledger row and mark commit together)\n" if sql else "\n")
-    )
-    out.write(
-        f"  {count} charges, {len(duplicates)} of them published twice with the same task id; "
-        "one pool process is killed mid-charge\n\n"
-    )
-    out.flush()
-
+    deadline = started + DEADLINE
+    plan = _plan(store, broker, count)
+    _write_banner(plan, out)
     worker: subprocess.Popen[bytes] | None = None
     app: Any = None
     ok = False
     try:
-        _demo.prepare_ledger(store_url, ledger, ledger_table)
-        env = {
-            **os.environ,
-            "TASKONCE_DEMO_BROKER": broker_url,
-            "TASKONCE_DEMO_QUEUE": queue,
-            "TASKONCE_DEMO_STORE": store_url,
-            "TASKONCE_DEMO_NS": namespace,
-            "TASKONCE_DEMO_LEDGER": ledger,
-            "TASKONCE_DEMO_DIR": str(workdir),
-            "TASKONCE_DEMO_LEASE": str(LEASE),
-        }
-        command = [
-            sys.executable, "-m", "celery", "-A", "taskonce.demo.celery_app", "worker",
-            "-P", "prefork", "-c", "2", "-Q", queue, "-n", f"demo-{tag}@%h",
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
-            "-l", os.environ.get("TASKONCE_DEMO_LOGLEVEL", "WARNING"),
-        ]  # fmt: skip
+        _demo.prepare_ledger(plan.store_url, plan.ledger, plan.ledger_table)
         out.write("  starting the worker … ")
         out.flush()
-        with open(workdir / "worker.log", "ab") as log:
-            worker = subprocess.Popen(
-                command,
-                cwd=workdir,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = started + DEADLINE
-        while not (workdir / "ready").exists():
-            if worker.poll() is not None or time.monotonic() > deadline:
-                out.write("failed\n")
-                _demo.tail(workdir / "worker.log", out)
-                return 1
-            time.sleep(0.05)
-        out.write(f"ready (pid {worker.pid}) after {time.monotonic() - started:.1f}s\n")
-
-        from celery import Celery
-
-        app = Celery(f"taskonce-demo-publisher-{tag}", broker=broker_url, set_as_current=False)
-        app.conf.update(
-            broker_transport_options=broker_options(broker_url, namespace),
-            broker_connection_retry_on_startup=True,
-            task_ignore_result=True,
-        )
-        sending = time.monotonic()
-        with warnings.catch_warnings(), app.producer_or_acquire() as producer:
-            # kombu's SQLAlchemy transport uses an ORM option SQLAlchemy 2.1 deprecates
-            warnings.simplefilter("ignore", DeprecationWarning)
-            # Half the duplicates follow their original at once (they may meet it in flight),
-            # the other half come after everything else (the original is long done).
-            late = duplicates[1::2]
-            for index, (order, cents, task_id) in enumerate(orders):
-                again = index in duplicates and index not in late
-                for _ in range(2 if again else 1):
-                    app.send_task(
-                        "taskonce_demo.charge",
-                        args=(order, cents),
-                        kwargs={"stall": index == victim},
-                        task_id=task_id,
-                        queue=queue,
-                        producer=producer,
-                    )
-            for index in late:
-                order, cents, task_id = orders[index]
-                app.send_task(
-                    "taskonce_demo.charge",
-                    args=(order, cents),
-                    kwargs={"stall": False},
-                    task_id=task_id,
-                    queue=queue,
-                    producer=producer,
-                )
-        out.write(
-            f"  sent {count} charges + {len(duplicates)} duplicates in "
-            f"{time.monotonic() - sending:.1f}s\n"
-        )
-        out.flush()
-
-        events = _demo.Events(workdir / "events.jsonl")
-        progress = _demo.Progress(out, count)
-        killed: str | None = None
-        victim_file = workdir / "victim.pid"
-        while True:
-            counts = events.update()
-            if killed is None and victim_file.exists():
-                with contextlib.suppress(ValueError, ProcessLookupError):
-                    pid = int(victim_file.read_text().strip() or 0)
-                    os.kill(pid, signal.SIGKILL)
-                    killed = f"  killed pool process {pid} in the middle of {orders[victim][0]}"
-                    if progress.tty:
-                        out.write("\r" + " " * 90 + "\r")
-                    out.write(f"{killed} (SIGKILL)\n")
-            progress.draw(counts[Event.COMPLETED.value], counts)
-            finished = (
-                counts[Event.COMPLETED.value] >= count
-                and counts[Event.DUPLICATE_SKIPPED.value] >= len(duplicates)
-                and killed is not None
-            )
-            if finished or time.monotonic() > deadline or worker.poll() is not None:
-                break
-            time.sleep(0.1)
-        progress.end()
+        worker = _start_worker(plan)
+        if not _wait_ready(plan, worker, started, deadline, out):
+            return 1
+        app = _publisher(plan)
+        _publish(app, plan, out)
+        events = _demo.Events(plan.workdir / "events.jsonl")
+        _watch(plan, worker, events, deadline, out)
         if worker.poll() is not None:
             out.write("  the worker stopped unexpectedly:\n")
-            _demo.tail(workdir / "worker.log", out)
+            _demo.tail(plan.workdir / "worker.log", out)
         _demo.stop(worker)
         worker = None
         counts = events.update()
-
-        rows, balance = _demo.read_ledger(store_url, ledger, ledger_table)
-        expected = sum(cents for _, cents, _ in orders)
-        delivered = sum(counts[name] for name in _DECISIONS)
-        ran = counts[Event.CLAIMED.value] + counts[Event.LEASE_TAKEN_OVER.value]
-        interrupted = ran - counts[Event.COMPLETED.value]
-        ok = rows == count and balance == expected and counts[Event.COMPLETED.value] == count
-        out.write("\n")
-        lines = [
-            ("sent", str(count + len(duplicates)),
-             f"{count} charges + {len(duplicates)} re-published with the same task ids"),
-            ("delivered", str(delivered),
-             "messages a pool process picked up, redeliveries included"),
-            ("ran", str(ran),
-             f"{counts['completed']} charges completed"
-             + (f" + {interrupted} killed mid-charge, its claim taken over, run again"
-                if interrupted else "")),
-            ("duplicates skipped", str(counts[Event.DUPLICATE_SKIPPED.value]),
-             "acknowledged without running"),
-            ("deferred in flight", str(counts[Event.IN_PROGRESS_DEFERRED.value]),
-             "arrived while the charge was running: delivered again later"),
-        ]  # fmt: skip
-        return _demo.report(
-            out,
-            lines,
-            ledger_rows=rows,
-            orders=count,
-            expected=expected,
-            balance=balance,
-            ok=ok,
-            started=started,
-            workdir=workdir,
+        tally = _demo.tally(plan, counts)
+        ok = (
+            tally.rows == count
+            and tally.balance == tally.expected
+            and counts[Event.COMPLETED.value] == count
         )
+        return _report(plan, tally, counts, ok=ok, started=started, out=out)
     except KeyboardInterrupt:
         out.write("\ninterrupted\n")
         return 130
     finally:
-        if worker is not None:
-            _demo.stop(worker)
-        if app is not None:
-            with contextlib.suppress(Exception):
-                _clean_broker(app, broker_url, queue, namespace)
-            app.close()
+        _clean_up(plan, worker, app, temporary_store=store is None, ok=ok)
+
+
+def _check_arguments(store: str | None, count: int) -> str:
+    """The refusal to print (exit code 2) when the arguments cannot make a demo, else ""."""
+    if count < 1:
+        return "taskonce demo: --count must be at least 1\n"
+    if store is not None and store.startswith("memory"):
+        return (
+            "taskonce demo: the worker's processes must share the store; use sqlite:///…, "
+            "redis://… or postgresql+psycopg://… (memory:// lives in one process)\n"
+        )
+    return ""
+
+
+def _plan(store: str | None, broker: str | None, count: int) -> _demo.Plan:
+    """A fresh temporary directory and tag; the store and broker default to SQLite files in
+    that directory."""
+    workdir = Path(tempfile.mkdtemp(prefix="taskonce-demo-"))
+    tag = uuid.uuid4().hex[:8]
+    return _demo.new_plan(
+        workdir,
+        tag,
+        store_url=store or f"sqlite:///{workdir / 'store.db'}",
+        broker_url=broker or f"sqla+sqlite:///{workdir / 'broker.db'}",
+        queue=f"taskonce-demo-{tag}",
+        count=count,
+        duplicate_every=DUPLICATE_EVERY,
+    )
+
+
+def _write_banner(plan: _demo.Plan, out: TextIO) -> None:
+    """What the demo runs on (passwords redacted) and what it is about to do."""
+    from taskonce.stores import redact
+
+    out.write("taskonce demo — a real Celery worker (prefork, 2 pool processes)\n")
+    out.write(f"  broker  {redact(plan.broker_url)}\n")
+    out.write(
+        f"  store   {redact(plan.store_url)}"
+        + (" (transactional: ledger row and mark commit together)\n" if plan.sql else "\n")
+    )
+    out.write(
+        f"  {plan.count} charges, {len(plan.duplicates)} of them published twice with the same "
+        "task id; one pool process is killed mid-charge\n\n"
+    )
+    out.flush()
+
+
+def _start_worker(plan: _demo.Plan) -> subprocess.Popen[bytes]:
+    """``celery worker`` on the demo's app: prefork with two pool processes (one of them gets
+    killed), on the run's queue only, without the cluster chatter a lone worker does not need."""
+    command = [
+        sys.executable, "-m", "celery", "-A", "taskonce.demo.celery_app", "worker",
+        "-P", "prefork", "-c", "2", "-Q", plan.queue, "-n", f"demo-{plan.tag}@%h",
+        "--without-gossip", "--without-mingle", "--without-heartbeat",
+        "-l", os.environ.get("TASKONCE_DEMO_LOGLEVEL", "WARNING"),
+    ]  # fmt: skip
+    return _demo.spawn(command, plan, _demo.worker_env(plan, LEASE), "worker.log")
+
+
+def _wait_ready(
+    plan: _demo.Plan,
+    worker: subprocess.Popen[bytes],
+    started: float,
+    deadline: float,
+    out: TextIO,
+) -> bool:
+    """Wait for the worker's ``ready`` file (written once it consumes); False, with the end of
+    its log, when it exits or the deadline passes first."""
+    while not (plan.workdir / "ready").exists():
+        if worker.poll() is not None or time.monotonic() > deadline:
+            out.write("failed\n")
+            _demo.tail(plan.workdir / "worker.log", out)
+            return False
+        time.sleep(0.05)
+    out.write(f"ready (pid {worker.pid}) after {time.monotonic() - started:.1f}s\n")
+    return True
+
+
+def _publisher(plan: _demo.Plan) -> Any:
+    """A Celery app of the demo's own that only sends (results ignored)."""
+    from celery import Celery
+
+    app = Celery(
+        f"taskonce-demo-publisher-{plan.tag}", broker=plan.broker_url, set_as_current=False
+    )
+    app.conf.update(
+        broker_transport_options=broker_options(plan.broker_url, plan.namespace),
+        broker_connection_retry_on_startup=True,
+        task_ignore_result=True,
+    )
+    return app
+
+
+def _publish(app: Any, plan: _demo.Plan, out: TextIO) -> None:
+    """Send every charge, the duplicates with their original's task id: half of them right
+    after their original (they may meet it in flight), the other half after everything else
+    (the original is long done). Only the victim's charge stalls."""
+    sending = time.monotonic()
+    with warnings.catch_warnings(), app.producer_or_acquire() as producer:
+        # kombu's SQLAlchemy transport uses an ORM option SQLAlchemy 2.1 deprecates
+        warnings.simplefilter("ignore", DeprecationWarning)
+        late = plan.duplicates[1::2]
+        for index, (order, cents, task_id) in enumerate(plan.orders):
+            again = index in plan.duplicates and index not in late
+            for _ in range(2 if again else 1):
+                app.send_task(
+                    "taskonce_demo.charge",
+                    args=(order, cents),
+                    kwargs={"stall": index == plan.victim},
+                    task_id=task_id,
+                    queue=plan.queue,
+                    producer=producer,
+                )
+        for index in late:
+            order, cents, task_id = plan.orders[index]
+            app.send_task(
+                "taskonce_demo.charge",
+                args=(order, cents),
+                kwargs={"stall": False},
+                task_id=task_id,
+                queue=plan.queue,
+                producer=producer,
+            )
+    out.write(
+        f"  sent {plan.count} charges + {len(plan.duplicates)} duplicates in "
+        f"{time.monotonic() - sending:.1f}s\n"
+    )
+    out.flush()
+
+
+def _watch(
+    plan: _demo.Plan,
+    worker: subprocess.Popen[bytes],
+    events: _demo.Events,
+    deadline: float,
+    out: TextIO,
+) -> None:
+    """Kill the victim's pool process once it is mid-charge, and draw the progress until every
+    charge completed, every duplicate was skipped and the victim was killed — or the deadline
+    passes, or the worker exits."""
+    progress = _demo.Progress(out, plan.count)
+    killed = False
+    while True:
+        counts = events.update()
+        if not killed:
+            killed = _demo.kill_victim(plan, progress, out, "pool process")
+        progress.draw(counts[Event.COMPLETED.value], counts)
+        finished = (
+            counts[Event.COMPLETED.value] >= plan.count
+            and counts[Event.DUPLICATE_SKIPPED.value] >= len(plan.duplicates)
+            and killed
+        )
+        if finished or time.monotonic() > deadline or worker.poll() is not None:
+            break
+        time.sleep(0.1)
+    progress.end()
+
+
+def _report(
+    plan: _demo.Plan,
+    tally: _demo.Tally,
+    counts: collections.Counter[str],
+    *,
+    ok: bool,
+    started: float,
+    out: TextIO,
+) -> int:
+    """The result table in Celery's words; the exit code (0 when ``ok``)."""
+    count, duplicates = plan.count, len(plan.duplicates)
+    out.write("\n")
+    lines = [
+        ("sent", str(count + duplicates),
+         f"{count} charges + {duplicates} re-published with the same task ids"),
+        ("delivered", str(tally.delivered),
+         "messages a pool process picked up, redeliveries included"),
+        ("ran", str(tally.ran),
+         f"{counts['completed']} charges completed"
+         + (f" + {tally.interrupted} killed mid-charge, its claim taken over, run again"
+            if tally.interrupted else "")),
+        ("duplicates skipped", str(counts[Event.DUPLICATE_SKIPPED.value]),
+         "acknowledged without running"),
+        ("deferred in flight", str(counts[Event.IN_PROGRESS_DEFERRED.value]),
+         "arrived while the charge was running: delivered again later"),
+    ]  # fmt: skip
+    return _demo.report(
+        out,
+        lines,
+        ledger_rows=tally.rows,
+        orders=count,
+        expected=tally.expected,
+        balance=tally.balance,
+        ok=ok,
+        started=started,
+        workdir=plan.workdir,
+    )
+
+
+def _clean_up(
+    plan: _demo.Plan,
+    worker: subprocess.Popen[bytes] | None,
+    app: Any,
+    *,
+    temporary_store: bool,
+    ok: bool,
+) -> None:
+    """Stop the worker if it still runs, remove what the run created on the broker and in the
+    store, and the temporary directory — kept when the run failed (its logs say why) or
+    ``TASKONCE_DEMO_KEEP`` is set."""
+    if worker is not None:
+        _demo.stop(worker)
+    if app is not None:
         with contextlib.suppress(Exception):
-            _demo.clean_store(store_url, namespace, ledger_table, temporary=store is None)
-        if ok and not os.environ.get("TASKONCE_DEMO_KEEP"):
-            shutil.rmtree(workdir, ignore_errors=True)
+            _clean_broker(app, plan.broker_url, plan.queue, plan.namespace)
+        app.close()
+    with contextlib.suppress(Exception):
+        _demo.clean_store(plan.store_url, plan.namespace, plan.ledger_table, temporary_store)
+    if ok and not os.environ.get("TASKONCE_DEMO_KEEP"):
+        shutil.rmtree(plan.workdir, ignore_errors=True)
 
 
 def _clean_broker(app: Any, broker_url: str, queue: str, namespace: str) -> None:

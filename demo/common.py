@@ -1,6 +1,6 @@
-"""What the Celery and Dramatiq demos share: event counting, the progress bar, the ledger,
-the result table, stopping a worker's process group. Framework-neutral; used only by
-``taskonce demo``."""
+"""What the Celery and Dramatiq demos share: the run's plan, starting a worker, killing the
+victim, event counting, the progress bar, the ledger, the tally and the result table, stopping a
+worker's process group. Framework-neutral; used only by ``taskonce demo``."""
 
 from __future__ import annotations
 
@@ -8,13 +8,123 @@ import collections
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import sqlite3
 import subprocess
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
+
+from taskonce.events import Event
+
+#: the events of a delivery that reached the guard's decision (one each)
+DECISIONS = (
+    Event.CLAIMED.value,
+    Event.LEASE_TAKEN_OVER.value,
+    Event.DUPLICATE_SKIPPED.value,
+    Event.IN_PROGRESS_DEFERRED.value,
+)
+#: an order: its id, its amount in cents, and the task / message id it is published with
+Order = tuple[str, int, str]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a demo run works with, decided before anything starts: its temporary directory, the
+    random tag in the name of everything it creates, the store and broker URLs, the queue, the
+    ledger, the orders, which of them are published twice, and the victim (the order whose
+    charge stalls until its worker process is killed)."""
+
+    workdir: Path
+    tag: str
+    store_url: str
+    broker_url: str
+    queue: str
+    ledger_table: str
+    ledger: str
+    orders: tuple[Order, ...]
+    duplicates: tuple[int, ...]
+    victim: int
+
+    @property
+    def namespace(self) -> str:
+        """The store's (and a Redis broker's) key prefix or table name of this run."""
+        return f"taskonce_demo_{self.tag}"
+
+    @property
+    def sql(self) -> bool:
+        return is_sql(self.store_url)
+
+    @property
+    def count(self) -> int:
+        return len(self.orders)
+
+
+def new_plan(
+    workdir: Path,
+    tag: str,
+    *,
+    store_url: str,
+    broker_url: str,
+    queue: str,
+    count: int,
+    duplicate_every: int,
+) -> Plan:
+    """The plan of a run: the ledger is a table in an SQL store (so its rows commit with the
+    marks), else an SQLite file; the orders' amounts come from a fixed seed; the victim is the
+    first order from a third of the way on that is not published twice."""
+    ledger_table = f"taskonce_demo_ledger_{tag}"
+    ledger = f"sql:{ledger_table}" if is_sql(store_url) else f"sqlite:{workdir / 'ledger.db'}"
+    rng = random.Random(20261122)
+    orders = [(f"order-{i:04d}", rng.randint(100, 9999), str(uuid.uuid4())) for i in range(count)]
+    duplicates = [i for i in range(count) if i % duplicate_every == 2]
+    victim = count // 3
+    while victim in duplicates and victim + 1 < count:
+        victim += 1
+    return Plan(
+        workdir=workdir,
+        tag=tag,
+        store_url=store_url,
+        broker_url=broker_url,
+        queue=queue,
+        ledger_table=ledger_table,
+        ledger=ledger,
+        orders=tuple(orders),
+        duplicates=tuple(duplicates),
+        victim=victim,
+    )
+
+
+def worker_env(plan: Plan, lease: float) -> dict[str, str]:
+    """The environment of a worker process: the demo's app modules read their settings here."""
+    return {
+        **os.environ,
+        "TASKONCE_DEMO_BROKER": plan.broker_url,
+        "TASKONCE_DEMO_QUEUE": plan.queue,
+        "TASKONCE_DEMO_STORE": plan.store_url,
+        "TASKONCE_DEMO_NS": plan.namespace,
+        "TASKONCE_DEMO_LEDGER": plan.ledger,
+        "TASKONCE_DEMO_DIR": str(plan.workdir),
+        "TASKONCE_DEMO_LEASE": str(lease),
+    }
+
+
+def spawn(command: list[str], plan: Plan, env: dict[str, str], log: str) -> subprocess.Popen[bytes]:
+    """Start a worker in the run's directory, its output appended to ``log`` there, in a session
+    of its own (so :func:`stop` can signal its whole process group)."""
+    with open(plan.workdir / log, "ab") as handle:
+        return subprocess.Popen(
+            command,
+            cwd=plan.workdir,
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 class Events:
@@ -74,6 +184,53 @@ class Progress:
         if self.tty:
             self.out.write("\n")
             self.out.flush()
+
+
+def kill_victim(plan: Plan, progress: Progress, out: TextIO, what: str, note: str = "") -> bool:
+    """SIGKILL the worker process that wrote ``victim.pid`` (it is in the middle of the victim's
+    charge, which stalls until then) and say so; True once it is killed. False while the file
+    is not there or not readable yet, or the process is already gone: the caller tries again."""
+    victim_file = plan.workdir / "victim.pid"
+    if not victim_file.exists():
+        return False
+    with contextlib.suppress(ValueError, ProcessLookupError):
+        pid = int(victim_file.read_text().strip() or 0)
+        os.kill(pid, signal.SIGKILL)
+        progress.clear()
+        out.write(
+            f"  killed {what} {pid} in the middle of {plan.orders[plan.victim][0]} (SIGKILL)"
+            f"{note}\n"
+        )
+        return True
+    return False
+
+
+@dataclass(frozen=True)
+class Tally:
+    """The numbers of a finished run: the ledger's rows and balance against the expected
+    balance, and what the events say was delivered and ran."""
+
+    rows: int
+    balance: int
+    expected: int
+    delivered: int
+    ran: int
+    interrupted: int
+
+
+def tally(plan: Plan, counts: collections.Counter[str]) -> Tally:
+    """Read the ledger and count: every delivery that reached a decision, every run (a claim or
+    a lease taken over), and the runs that did not complete (the killed one)."""
+    rows, balance = read_ledger(plan.store_url, plan.ledger, plan.ledger_table)
+    ran = counts[Event.CLAIMED.value] + counts[Event.LEASE_TAKEN_OVER.value]
+    return Tally(
+        rows=rows,
+        balance=balance,
+        expected=sum(cents for _, cents, _ in plan.orders),
+        delivered=sum(counts[name] for name in DECISIONS),
+        ran=ran,
+        interrupted=ran - counts[Event.COMPLETED.value],
+    )
 
 
 def dollars(cents: int) -> str:

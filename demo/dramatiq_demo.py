@@ -23,11 +23,10 @@ creates there carries a random name and is removed afterwards.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import os
-import random
+import dataclasses
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -49,12 +48,6 @@ DEADLINE = 90.0
 #: the Redis the demo falls back to when it cannot start its own
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 WORKERS = 2
-_DECISIONS = (
-    Event.CLAIMED.value,
-    Event.LEASE_TAKEN_OVER.value,
-    Event.DUPLICATE_SKIPPED.value,
-    Event.IN_PROGRESS_DEFERRED.value,
-)
 
 
 class _EmbeddedRedis:
@@ -139,222 +132,279 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
     :param count: charge messages to send (a fifth of them are sent twice).
     :param out: where the progress and the report are written.
     """
-    if count < 1:
-        out.write("taskonce demo: --count must be at least 1\n")
-        return 2
-    if broker and not broker.startswith(("redis", "rediss", "unix", "amqp")):
-        out.write("taskonce demo: Dramatiq's broker must be a redis://… or amqp://… URL\n")
+    refusal = _check_arguments(broker, count)
+    if refusal:
+        out.write(refusal)
         return 2
     started = time.monotonic()
-    workdir = Path(tempfile.mkdtemp(prefix="taskonce-demo-"))
-    tag = uuid.uuid4().hex[:8]
-    namespace = f"taskonce_demo_{tag}"
-    queue = namespace
-    store_url = store or f"sqlite:///{workdir / 'store.db'}"
-    sql = _demo.is_sql(store_url)
-    ledger_table = f"taskonce_demo_ledger_{tag}"
-    ledger = f"sql:{ledger_table}" if sql else f"sqlite:{workdir / 'ledger.db'}"
-
-    rng = random.Random(20261122)
-    orders = [(f"order-{i:04d}", rng.randint(100, 9999), str(uuid.uuid4())) for i in range(count)]
-    duplicates = [i for i in range(count) if i % DUPLICATE_EVERY == 2]
-    victim = count // 3
-    while victim in duplicates and victim + 1 < count:
-        victim += 1
-
-    from taskonce.stores import redact
-
+    deadline = started + DEADLINE
+    plan = _plan(store, broker, count)
     embedded: _EmbeddedRedis | None = None
     workers: list[subprocess.Popen[bytes]] = []
     publisher: Any = None
-    broker_url = broker or ""
     ok = False
     try:
         try:
-            broker_url, broker_note, embedded = _choose_broker(broker, workdir)
+            broker_url, broker_note, embedded = _choose_broker(broker, plan.workdir)
         except RuntimeError as exc:
             out.write(f"taskonce demo: {exc}\n")
             return 2
-        out.write(f"taskonce demo — real Dramatiq workers ({WORKERS} processes, 2 threads each)\n")
-        out.write(f"  broker  {redact(broker_url)}\n")
-        if broker_note:
-            out.write(f"          {broker_note}\n")
-        out.write(
-            f"  store   {redact(store_url)}"
-            + (" (transactional: ledger row and mark commit together)\n" if sql else "\n")
-        )
-        out.write(
-            f"  {count} charges, {len(duplicates)} of them published twice with the same "
-            "message id; one worker process is killed mid-charge\n\n"
-        )
-        out.flush()
-
-        _demo.prepare_ledger(store_url, ledger, ledger_table)
-        env = {
-            **os.environ,
-            "TASKONCE_DEMO_BROKER": broker_url,
-            "TASKONCE_DEMO_QUEUE": queue,
-            "TASKONCE_DEMO_STORE": store_url,
-            "TASKONCE_DEMO_NS": namespace,
-            "TASKONCE_DEMO_LEDGER": ledger,
-            "TASKONCE_DEMO_DIR": str(workdir),
-            "TASKONCE_DEMO_LEASE": str(LEASE),
-        }
-        command = [
-            sys.executable, "-m", "dramatiq", "taskonce.demo.dramatiq_app:broker",
-            "--processes", "1", "--threads", "2",
-        ]  # fmt: skip
+        plan = dataclasses.replace(plan, broker_url=broker_url)
+        _write_banner(plan, broker_note, out)
+        _demo.prepare_ledger(plan.store_url, plan.ledger, plan.ledger_table)
         out.write("  starting the workers … ")
         out.flush()
-        for n in range(WORKERS):
-            with open(workdir / f"worker-{n}.log", "ab") as log:
-                workers.append(
-                    subprocess.Popen(
-                        command,
-                        cwd=workdir,
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-        deadline = started + DEADLINE
-        while len(list(workdir.glob("ready-*"))) < WORKERS:
-            if any(w.poll() is not None for w in workers) or time.monotonic() > deadline:
-                out.write("failed\n")
-                for n in range(WORKERS):
-                    _demo.tail(workdir / f"worker-{n}.log", out)
-                return 1
-            time.sleep(0.05)
-        out.write(
-            f"ready (pids {', '.join(str(w.pid) for w in workers)}) after "
-            f"{time.monotonic() - started:.1f}s\n"
-        )
-
-        from dramatiq import Message
-
+        _start_workers(plan, workers)
+        if not _wait_ready(plan, workers, started, deadline, out):
+            return 1
         from taskonce.demo.dramatiq_app import make_broker
 
-        publisher = make_broker(broker_url, queue)
-        sending = time.monotonic()
-
-        def message(index: int) -> Message[Any]:
-            order, cents, message_id = orders[index]
-            return Message(
-                queue_name=queue,
-                actor_name="charge",
-                args=(order, cents),
-                kwargs={"stall": index == victim},
-                options={},
-                message_id=message_id,
-            )
-
-        # Half the duplicates follow their original at once (they may meet it in flight), the
-        # other half come after everything else (the original is long done).
-        late = duplicates[1::2]
-        for index in range(count):
-            again = index in duplicates and index not in late
-            for _ in range(2 if again else 1):
-                publisher.enqueue(message(index))
-        for index in late:
-            publisher.enqueue(message(index))
-        out.write(
-            f"  sent {count} charges + {len(duplicates)} duplicates in "
-            f"{time.monotonic() - sending:.1f}s\n"
-        )
-        out.flush()
-
-        events = _demo.Events(workdir / "events.jsonl")
-        progress = _demo.Progress(out, count)
-        killed: str | None = None
-        victim_file = workdir / "victim.pid"
-        # Progress is the ledger itself: a worker killed between its commit and its
-        # "completed" event leaves a charged order without that event.
-        charged, polled = 0, 0.0
-        while True:
-            counts = events.update()
-            if time.monotonic() - polled > 0.3:
-                charged, polled = (
-                    _demo.read_ledger(store_url, ledger, ledger_table)[0],
-                    time.monotonic(),
-                )
-            if killed is None and victim_file.exists():
-                with contextlib.suppress(ValueError, ProcessLookupError):
-                    pid = int(victim_file.read_text().strip() or 0)
-                    os.kill(pid, signal.SIGKILL)
-                    killed = f"  killed worker process {pid} in the middle of {orders[victim][0]}"
-                    progress.clear()
-                    out.write(f"{killed} (SIGKILL); the other worker gets its messages back\n")
-            progress.draw(charged, counts)
-            finished = (
-                charged >= count
-                and counts[Event.DUPLICATE_SKIPPED.value] >= len(duplicates)
-                and killed is not None
-            )
-            alive = [w for w in workers if w.poll() is None]
-            if finished or time.monotonic() > deadline or not alive:
-                break
-            time.sleep(0.1)
-        progress.end()
+        publisher = make_broker(plan.broker_url, plan.queue)
+        _publish(publisher, plan, out)
+        events = _demo.Events(plan.workdir / "events.jsonl")
+        _watch(plan, workers, events, deadline, out)
         if not any(w.poll() is None for w in workers):
             out.write("  the workers stopped unexpectedly:\n")
-            for n in range(WORKERS):
-                _demo.tail(workdir / f"worker-{n}.log", out)
+            _tail_logs(plan, out)
         for worker in workers:
             _demo.stop(worker)
         workers = []
         counts = events.update()
-
-        rows, balance = _demo.read_ledger(store_url, ledger, ledger_table)
-        expected = sum(cents for _, cents, _ in orders)
-        delivered = sum(counts[name] for name in _DECISIONS)
-        ran = counts[Event.CLAIMED.value] + counts[Event.LEASE_TAKEN_OVER.value]
-        interrupted = ran - counts[Event.COMPLETED.value]
-        ok = rows == count and balance == expected
-        out.write("\n")
-        lines = [
-            ("sent", str(count + len(duplicates)),
-             f"{count} charges + {len(duplicates)} re-published with the same message ids"),
-            ("delivered", str(delivered),
-             "deliveries a worker picked up: redeliveries and deferred copies included"),
-            ("ran", str(ran),
-             f"{counts['completed']} charges completed"
-             + (f" + {interrupted} killed mid-charge (its claim taken over and run again, or "
-                "committed just before the kill)" if interrupted else "")),
-            ("duplicates skipped", str(counts[Event.DUPLICATE_SKIPPED.value]),
-             "acknowledged without running"),
-            ("deferred in flight", str(counts[Event.IN_PROGRESS_DEFERRED.value]),
-             "arrived while the charge was running: enqueued again for later"),
-        ]  # fmt: skip
-        return _demo.report(
-            out,
-            lines,
-            ledger_rows=rows,
-            orders=count,
-            expected=expected,
-            balance=balance,
-            ok=ok,
-            started=started,
-            workdir=workdir,
-        )
+        tally = _demo.tally(plan, counts)
+        ok = tally.rows == count and tally.balance == tally.expected
+        return _report(plan, tally, counts, ok=ok, started=started, out=out)
     except KeyboardInterrupt:
         out.write("\ninterrupted\n")
         return 130
     finally:
-        for worker in workers:
-            _demo.stop(worker)
-        if publisher is not None:
-            with contextlib.suppress(Exception):
-                publisher.close()
-        if embedded is not None:
-            embedded.stop()
-        elif broker_url:
-            with contextlib.suppress(Exception):
-                _clean_broker(broker_url, queue)
+        _clean_up(plan, workers, publisher, embedded, temporary_store=store is None, ok=ok)
+
+
+def _check_arguments(broker: str | None, count: int) -> str:
+    """The refusal to print (exit code 2) when the arguments cannot make a demo, else ""."""
+    if count < 1:
+        return "taskonce demo: --count must be at least 1\n"
+    if broker and not broker.startswith(("redis", "rediss", "unix", "amqp")):
+        return "taskonce demo: Dramatiq's broker must be a redis://… or amqp://… URL\n"
+    return ""
+
+
+def _plan(store: str | None, broker: str | None, count: int) -> _demo.Plan:
+    """A fresh temporary directory and tag; the store defaults to an SQLite file there. The
+    broker URL is the one given, else "" until :func:`_choose_broker` has picked one. The queue
+    is named like the namespace: a Redis broker's keys start with it, which is how
+    :func:`_clean_broker` finds them."""
+    workdir = Path(tempfile.mkdtemp(prefix="taskonce-demo-"))
+    tag = uuid.uuid4().hex[:8]
+    return _demo.new_plan(
+        workdir,
+        tag,
+        store_url=store or f"sqlite:///{workdir / 'store.db'}",
+        broker_url=broker or "",
+        queue=f"taskonce_demo_{tag}",
+        count=count,
+        duplicate_every=DUPLICATE_EVERY,
+    )
+
+
+def _write_banner(plan: _demo.Plan, broker_note: str, out: TextIO) -> None:
+    """What the demo runs on (passwords redacted; the embedded broker explained) and what it is
+    about to do."""
+    from taskonce.stores import redact
+
+    out.write(f"taskonce demo — real Dramatiq workers ({WORKERS} processes, 2 threads each)\n")
+    out.write(f"  broker  {redact(plan.broker_url)}\n")
+    if broker_note:
+        out.write(f"          {broker_note}\n")
+    out.write(
+        f"  store   {redact(plan.store_url)}"
+        + (" (transactional: ledger row and mark commit together)\n" if plan.sql else "\n")
+    )
+    out.write(
+        f"  {plan.count} charges, {len(plan.duplicates)} of them published twice with the same "
+        "message id; one worker process is killed mid-charge\n\n"
+    )
+    out.flush()
+
+
+def _start_workers(plan: _demo.Plan, workers: list[subprocess.Popen[bytes]]) -> None:
+    """Start :data:`WORKERS` ``dramatiq`` workers (one process, two threads each), appended to
+    ``workers`` one by one so that the caller stops those already started if a later one
+    fails."""
+    command = [
+        sys.executable, "-m", "dramatiq", "taskonce.demo.dramatiq_app:broker",
+        "--processes", "1", "--threads", "2",
+    ]  # fmt: skip
+    env = _demo.worker_env(plan, LEASE)
+    for n in range(WORKERS):
+        workers.append(_demo.spawn(command, plan, env, f"worker-{n}.log"))
+
+
+def _wait_ready(
+    plan: _demo.Plan,
+    workers: list[subprocess.Popen[bytes]],
+    started: float,
+    deadline: float,
+    out: TextIO,
+) -> bool:
+    """Wait for a ``ready-*`` file of every worker; False, with the end of their logs, when one
+    exits or the deadline passes first."""
+    while len(list(plan.workdir.glob("ready-*"))) < WORKERS:
+        if any(w.poll() is not None for w in workers) or time.monotonic() > deadline:
+            out.write("failed\n")
+            _tail_logs(plan, out)
+            return False
+        time.sleep(0.05)
+    out.write(
+        f"ready (pids {', '.join(str(w.pid) for w in workers)}) after "
+        f"{time.monotonic() - started:.1f}s\n"
+    )
+    return True
+
+
+def _tail_logs(plan: _demo.Plan, out: TextIO) -> None:
+    for n in range(WORKERS):
+        _demo.tail(plan.workdir / f"worker-{n}.log", out)
+
+
+def _publish(publisher: Any, plan: _demo.Plan, out: TextIO) -> None:
+    """Enqueue every charge, the duplicates with their original's message id: half of them
+    right after their original (they may meet it in flight), the other half after everything
+    else (the original is long done). Only the victim's charge stalls."""
+    from dramatiq import Message
+
+    sending = time.monotonic()
+
+    def message(index: int) -> Message[Any]:
+        order, cents, message_id = plan.orders[index]
+        return Message(
+            queue_name=plan.queue,
+            actor_name="charge",
+            args=(order, cents),
+            kwargs={"stall": index == plan.victim},
+            options={},
+            message_id=message_id,
+        )
+
+    late = plan.duplicates[1::2]
+    for index in range(plan.count):
+        again = index in plan.duplicates and index not in late
+        for _ in range(2 if again else 1):
+            publisher.enqueue(message(index))
+    for index in late:
+        publisher.enqueue(message(index))
+    out.write(
+        f"  sent {plan.count} charges + {len(plan.duplicates)} duplicates in "
+        f"{time.monotonic() - sending:.1f}s\n"
+    )
+    out.flush()
+
+
+def _watch(
+    plan: _demo.Plan,
+    workers: list[subprocess.Popen[bytes]],
+    events: _demo.Events,
+    deadline: float,
+    out: TextIO,
+) -> None:
+    """Kill the victim's worker process once it is mid-charge, and draw the progress until every
+    order is charged, every duplicate was skipped and the victim was killed — or the deadline
+    passes, or no worker is left.
+
+    Progress is the ledger itself (read every 0.3 s): a worker killed between its commit and
+    its "completed" event leaves a charged order without that event."""
+    progress = _demo.Progress(out, plan.count)
+    killed = False
+    charged, polled = 0, 0.0
+    while True:
+        counts = events.update()
+        if time.monotonic() - polled > 0.3:
+            charged, polled = (
+                _demo.read_ledger(plan.store_url, plan.ledger, plan.ledger_table)[0],
+                time.monotonic(),
+            )
+        if not killed:
+            killed = _demo.kill_victim(
+                plan, progress, out, "worker process", "; the other worker gets its messages back"
+            )
+        progress.draw(charged, counts)
+        finished = (
+            charged >= plan.count
+            and counts[Event.DUPLICATE_SKIPPED.value] >= len(plan.duplicates)
+            and killed
+        )
+        alive = [w for w in workers if w.poll() is None]
+        if finished or time.monotonic() > deadline or not alive:
+            break
+        time.sleep(0.1)
+    progress.end()
+
+
+def _report(
+    plan: _demo.Plan,
+    tally: _demo.Tally,
+    counts: collections.Counter[str],
+    *,
+    ok: bool,
+    started: float,
+    out: TextIO,
+) -> int:
+    """The result table in Dramatiq's words; the exit code (0 when ``ok``)."""
+    count, duplicates = plan.count, len(plan.duplicates)
+    out.write("\n")
+    lines = [
+        ("sent", str(count + duplicates),
+         f"{count} charges + {duplicates} re-published with the same message ids"),
+        ("delivered", str(tally.delivered),
+         "deliveries a worker picked up: redeliveries and deferred copies included"),
+        ("ran", str(tally.ran),
+         f"{counts['completed']} charges completed"
+         + (f" + {tally.interrupted} killed mid-charge (its claim taken over and run again, or "
+            "committed just before the kill)" if tally.interrupted else "")),
+        ("duplicates skipped", str(counts[Event.DUPLICATE_SKIPPED.value]),
+         "acknowledged without running"),
+        ("deferred in flight", str(counts[Event.IN_PROGRESS_DEFERRED.value]),
+         "arrived while the charge was running: enqueued again for later"),
+    ]  # fmt: skip
+    return _demo.report(
+        out,
+        lines,
+        ledger_rows=tally.rows,
+        orders=count,
+        expected=tally.expected,
+        balance=tally.balance,
+        ok=ok,
+        started=started,
+        workdir=plan.workdir,
+    )
+
+
+def _clean_up(
+    plan: _demo.Plan,
+    workers: list[subprocess.Popen[bytes]],
+    publisher: Any,
+    embedded: _EmbeddedRedis | None,
+    *,
+    temporary_store: bool,
+    ok: bool,
+) -> None:
+    """Stop the workers still running and the embedded Redis (which takes the demo's keys with
+    it), else remove the demo's queues or keys from the broker; remove the demo's records from
+    the store, and the temporary directory unless the run failed (its logs say why)."""
+    for worker in workers:
+        _demo.stop(worker)
+    if publisher is not None:
         with contextlib.suppress(Exception):
-            _demo.clean_store(store_url, namespace, ledger_table, temporary=store is None)
-        if ok:
-            shutil.rmtree(workdir, ignore_errors=True)
+            publisher.close()
+    if embedded is not None:
+        embedded.stop()
+    elif plan.broker_url:
+        with contextlib.suppress(Exception):
+            _clean_broker(plan.broker_url, plan.queue)
+    with contextlib.suppress(Exception):
+        _demo.clean_store(plan.store_url, plan.namespace, plan.ledger_table, temporary_store)
+    if ok:
+        shutil.rmtree(plan.workdir, ignore_errors=True)
 
 
 def _clean_broker(broker_url: str, queue: str) -> None:
