@@ -195,6 +195,8 @@ def kill_victim(plan: Plan, progress: Progress, out: TextIO, what: str, note: st
         return False
     with contextlib.suppress(ValueError, ProcessLookupError):
         pid = int(victim_file.read_text().strip() or 0)
+        if pid <= 0:
+            return False  # the file is not written yet: os.kill(0) would kill this demo's group
         os.kill(pid, signal.SIGKILL)
         progress.clear()
         out.write(
@@ -380,7 +382,8 @@ def clean_store(store_url: str, namespace: str, ledger_table: str, temporary: bo
         engine = sa.create_engine(store_url)
         try:
             with engine.begin() as conn:
-                for table in (namespace, ledger_table):
+                # the store's table, its liveness table (``<table>_live``) and the ledger
+                for table in (namespace, f"{namespace}_live", ledger_table):
                     conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}"))
         finally:
             engine.dispose()
