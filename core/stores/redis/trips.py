@@ -237,12 +237,13 @@ class SharedTrips:
         redis-py's command path (pool checkout and return, each with a pid check, a lock, a
         poll of the socket and observability counters; the retry wrapper; the response
         callbacks) costs about as much client CPU as the round trip's own system calls
-        (``bench/guard_cpu.py``, docs/performance.md). What it keeps: the connection's own retry
-        policy (the store's client retries once after a connection error, never after a
-        timeout), the script loaded again after a ``NoScriptError``, and a connection that
-        failed in any other way goes back to the pool disconnected (a Sentinel pool then finds
-        the current master for the next one). The EVALSHA reply has no response callback in
-        redis-py, so the parser's reply is the reply."""
+        (measured by ``bench/guard_cpu.py`` at 3e2c109, since removed; docs/performance.md).
+        What it keeps: the connection's own retry policy (the store's client retries once
+        after a connection error, never after a timeout), the script loaded again after a
+        ``NoScriptError``, and a connection that failed in any other way goes back to the pool
+        disconnected (a Sentinel pool then finds the current master for the next one). The
+        EVALSHA reply has no response callback in redis-py, so the parser's reply is the
+        reply."""
         conn = self._conn
         try:
             if conn is None:
@@ -405,7 +406,7 @@ class OneTrip:
     resharding re-sends commands, which for a claim could make it look taken by itself). The
     cost is the system-call time that sharing saves when several threads of one process call
     at the same moment: about a quarter of the throughput with 8 threads, nothing with one
-    (``bench/cluster_trips.py``, docs/performance.md)."""
+    (measured by ``bench/cluster_trips.py`` at b2f2075, since removed; docs/performance.md)."""
 
     def __init__(self, client: Any) -> None:
         self._client = client
