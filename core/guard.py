@@ -212,7 +212,6 @@ class Guard:
                 ticket.decision = Decision.UNGUARDED
                 return ticket
             raise
-        self.health.answered()
         if ticket.decision is Decision.RUN:
             if policy.transactional:
                 try:

@@ -35,8 +35,9 @@ _START_POLL = 1.0
 class StoreHealth:
     """Whether the store answered last time, and the log lines of each change.
 
-    :meth:`answered` is on every delivery's path: while the store answers it reads one
-    attribute.
+    Failures come from deliveries and liveness writes; answers from the liveness writes only
+    (every few seconds, each a round trip): a delivery may touch no store at all (lazy with
+    ``check_first=False``), so its success says nothing of the store.
 
     :param describe: the store as the log shows it (its URL without a password).
     :param remind_every: seconds between two "still unreachable" lines; default 60.
