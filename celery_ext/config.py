@@ -35,9 +35,11 @@ from typing import Any, NoReturn
 
 from celery.signals import worker_init, worker_ready
 
+from taskonce import exits
 from taskonce.celery_ext.handoff import install
 from taskonce.errors import ConfigError, StoreUnavailable
 from taskonce.events import EventSink, JsonlEvents
+from taskonce.exits import EXIT_CONFIG as EXIT_CONFIG  # the adapters' public name
 from taskonce.guard import Guard
 from taskonce.outage import START_TIMEOUT
 from taskonce.policy import Policy
@@ -284,16 +286,9 @@ def check_task(task: Any, guard: Guard) -> None:
             ) from None
 
 
-#: Exit status of a worker stopped by a configuration error (``EX_CONFIG`` of sysexits.h).
-EXIT_CONFIG = 78
-
-
 def refuse_start(exc: Exception) -> NoReturn:
     """Stop a starting worker in one log line, with :data:`EXIT_CONFIG`, before it consumes."""
-    logger.critical("taskonce: %s; the worker does not start", exc)
-    # Celery's signals log and swallow Exceptions; SystemExit is not one, so it ends the
-    # worker before it consumes anything (and Celery's command exits with its code).
-    raise SystemExit(EXIT_CONFIG) from exc
+    exits.refuse_start(exc, logger)
 
 
 def worker_starting(app: Any) -> bool:

@@ -1,10 +1,29 @@
-"""The ``taskonce`` command's exit statuses and its hints for what is missing.
+"""Exit statuses: the ``taskonce`` command's, its hints for what is missing, and a worker's
+refusal to start.
 
 One rule for every command (:data:`EXIT_CODES` is in ``taskonce --help`` and
-docs/operations.md), and the extra that installs a module an ``ImportError`` names.
+docs/operations.md), the extra that installs a module an ``ImportError`` names, and
+:func:`refuse_start`, with which the Celery and Dramatiq adapters stop a worker whose
+configuration can never work.
 """
 
 from __future__ import annotations
+
+import logging
+from typing import NoReturn
+
+#: Exit status of a worker stopped by a configuration error or a store that does not answer at
+#: its start (``EX_CONFIG`` of sysexits.h); Celery's and the ``dramatiq`` command exit with it.
+EXIT_CONFIG = 78
+
+
+def refuse_start(exc: Exception, log: logging.Logger) -> NoReturn:
+    """Stop a starting worker in one line on ``log``, with :data:`EXIT_CONFIG`, before it
+    consumes anything. ``SystemExit`` is no ``Exception``: Celery's signals and Dramatiq's hooks,
+    which log and swallow those, let it through, and both commands exit with its code."""
+    log.critical("taskonce: %s; the worker does not start", exc)
+    raise SystemExit(EXIT_CONFIG) from exc
+
 
 # Exit statuses, the same for every command (EXIT_CODES is in --help and docs/operations.md).
 EXIT_OK = 0  # done

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from dramatiq import Middleware
 from dramatiq.common import q_name
 
+from taskonce import exits
 from taskonce.action import Action, Do, after, before
 from taskonce.dramatiq_ext.errors import (
     DuplicateSkipped,
@@ -53,6 +54,7 @@ from taskonce.dramatiq_ext.redelivery import Redelivery, deferrals
 from taskonce.dramatiq_ext.results import keep_first_result
 from taskonce.dramatiq_ext.tickets import TicketBook
 from taskonce.errors import ConfigError, StoreUnavailable
+from taskonce.exits import EXIT_CONFIG as EXIT_CONFIG  # the adapters' public name
 from taskonce.guard import Delivery, Guard, Ticket
 from taskonce.outage import START_TIMEOUT
 
@@ -63,10 +65,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("taskonce.dramatiq")
 
 FRAMEWORK = "dramatiq"
-#: Exit status of a worker process stopped by a configuration error, or by a store that does
-#: not answer at start (``EX_CONFIG`` of sysexits.h, as on Celery); the ``dramatiq`` command's
-#: main process exits with it too.
-EXIT_CONFIG = 78
 
 
 def in_worker_process() -> bool:
@@ -82,9 +80,7 @@ def in_worker_process() -> bool:
 
 def refuse_start(exc: Exception) -> NoReturn:
     """End a starting worker process in one log line, with :data:`EXIT_CONFIG`."""
-    logger.critical("taskonce: %s; the worker does not start", exc)
-    # SystemExit is no Exception: Dramatiq's hooks and its worker_process let it through.
-    raise SystemExit(EXIT_CONFIG) from exc
+    exits.refuse_start(exc, logger)
 
 
 class IdempotencyMiddleware(Middleware):
