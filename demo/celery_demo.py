@@ -272,7 +272,7 @@ def _report(
         ("delivered", str(tally.delivered),
          "messages a pool process picked up, redeliveries included"),
         ("ran", str(tally.ran),
-         f"{counts['completed']} charges completed"
+         f"{counts[Event.COMPLETED.value]} charges completed"
          + (f" + {tally.interrupted} killed mid-charge, its claim taken over, run again"
             if tally.interrupted else "")),
         ("duplicates skipped", str(counts[Event.DUPLICATE_SKIPPED.value]),

@@ -160,9 +160,10 @@ class Progress:
         self.quarter = -1
 
     def draw(self, done: int, counts: collections.Counter[str]) -> None:
+        skipped = counts[Event.DUPLICATE_SKIPPED.value]
+        deferred = counts[Event.IN_PROGRESS_DEFERRED.value]
         text = (
-            f"{done:>5}/{self.total} charged · {counts['duplicate_skipped']} duplicates skipped"
-            f" · {counts['in_progress_deferred']} deferred"
+            f"{done:>5}/{self.total} charged · {skipped} duplicates skipped · {deferred} deferred"
         )
         if self.tty:
             width = 28

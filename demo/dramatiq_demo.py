@@ -358,7 +358,7 @@ def _report(
         ("delivered", str(tally.delivered),
          "deliveries a worker picked up: redeliveries and deferred copies included"),
         ("ran", str(tally.ran),
-         f"{counts['completed']} charges completed"
+         f"{counts[Event.COMPLETED.value]} charges completed"
          + (f" + {tally.interrupted} killed mid-charge (its claim taken over and run again, or "
             "committed just before the kill)" if tally.interrupted else "")),
         ("duplicates skipped", str(counts[Event.DUPLICATE_SKIPPED.value]),
