@@ -34,7 +34,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	rm -rf build/typecheck && mkdir -p build/typecheck/taskonce
 	for f in core/*; do ln -s ../../../$$f build/typecheck/taskonce/; done
-	for d in celery_ext dramatiq_ext spark_ext demo; do ln -s ../../../$$d build/typecheck/taskonce/$$d; done
+	for d in celery_ext dramatiq_ext spark_ext demo django_ext; do ln -s ../../../$$d build/typecheck/taskonce/$$d; done
 	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p taskonce
 
 # The documentation site (mkdocs.yml) into site/; --strict fails on a broken link, a missing
@@ -43,7 +43,7 @@ typecheck: $(STAMP)
 docs: $(STAMP)
 	rm -rf build/docs-src && mkdir -p build/docs-src/taskonce
 	for f in core/*; do ln -s ../../../$$f build/docs-src/taskonce/; done
-	for d in celery_ext dramatiq_ext spark_ext demo; do ln -s ../../../$$d build/docs-src/taskonce/$$d; done
+	for d in celery_ext dramatiq_ext spark_ext demo django_ext; do ln -s ../../../$$d build/docs-src/taskonce/$$d; done
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # The audit on a Spark standalone cluster (a master and two workers started by the test).

@@ -149,22 +149,8 @@ class _Outbox:
         self.rows: list[OutboxRow] = []
 
     def write(self, connection: Connection, text: str, nested: bool) -> None:
-        row = OutboxRow(
-            key=f"{OUTBOX_PREFIX}{uuid.uuid4().hex}",
-            token=secrets.token_hex(16),
-            text=text,
-            # A savepoint may still be rolled back: such a row is read back before publishing.
-            verify=nested,
-        )
-        self.store.record_sends_in(
-            connection,
-            row.key,
-            (text,),
-            row.token,
-            self.guard.default.keep_for,
-            self.guard.recorder_hold,
-        )
-        self.rows.append(row)
+        # A savepoint may still be rolled back: such a row is read back before publishing.
+        self.rows.append(write_row(self.guard, self.store, connection, text, verify=nested))
 
     def committed(self) -> None:
         rows, self.rows = self.rows, []
@@ -175,6 +161,31 @@ class _Outbox:
         rows, self.rows = self.rows, []
         if rows:
             self.guard.discard_uncommitted(rows)
+
+
+def write_row(
+    guard: Guard, store: TransactionalStore, connection: Any, text: str, *, verify: bool = False
+) -> OutboxRow:
+    """Write one send (its JSON ``text``) as a new outbox record through ``connection``'s
+    transaction, not committed here; the row to publish after the commit."""
+    row = OutboxRow(
+        key=f"{OUTBOX_PREFIX}{uuid.uuid4().hex}",
+        token=secrets.token_hex(16),
+        text=text,
+        verify=verify,
+    )
+    store.record_sends_in(
+        connection, row.key, (text,), row.token, guard.default.keep_for, guard.recorder_hold
+    )
+    return row
+
+
+@contextlib.contextmanager
+def capturing_sends(guard: Guard, write: Callable[[str], None]) -> Iterator[None]:
+    """Capture what the block sends (the hand-off's capture) and hand each send's JSON text to
+    ``write`` as it is made; a send ``write`` refuses is not captured."""
+    with handoff.capturing(_OutboxCapture(guard, write)):
+        yield
 
 
 class _OutboxCapture(Capture):
@@ -268,7 +279,7 @@ def _in_session(
             "send_on_commit(session, on_commit=…): a Session's commit is seen by taskonce "
             "itself; on_commit= is for a Connection whose transaction someone else commits"
         )
-    chosen = _guard_for(guard)
+    chosen = publishing_guard(guard)
     store = _sql_store(chosen)
     _check_bind(store, target)
     _listen()
@@ -295,7 +306,7 @@ def _on_connection(
 ) -> Iterator[None]:
     """:func:`send_on_commit` on a Connection: the block is the transaction, or (``on_commit``)
     someone else's transaction commits it."""
-    chosen = _guard_for(guard)
+    chosen = publishing_guard(guard)
     store = _sql_store(chosen)
     _check_bind(store, target)
     if on_commit is not None:
@@ -342,7 +353,11 @@ def _on_connection(
     outbox.committed()
 
 
-def _guard_for(guard: Guard | None) -> Guard:
+def publishing_guard(guard: Guard | None) -> Guard:
+    """``guard`` (checked), or the one guard of this process a framework registered.
+
+    :raises ConfigError: not a guard, none or several registered, or no framework registered
+        with it (nothing could publish)."""
     from taskonce.guard import Guard  # the guard imports this module
 
     if guard is not None:
@@ -443,4 +458,11 @@ def _after_transaction_end(session: Session, transaction: Any) -> None:
         state.discarded()  # ended without its commit: rolled back or closed
 
 
-__all__ = ["OUTBOX_PREFIX", "send_on_commit"]
+__all__ = [
+    "OUTBOX_PREFIX",
+    "OutboxRow",
+    "capturing_sends",
+    "publishing_guard",
+    "send_on_commit",
+    "write_row",
+]

@@ -31,6 +31,13 @@ def current_session() -> Session:
             "current_session() is only available inside a handler guarded by a policy with "
             "transactional=True on an SQL store"
         )
+    from sqlalchemy.orm import Session
+
+    if not isinstance(session, Session):
+        raise TaskonceError(
+            "current_session(): this handler's transaction is Django's (a django:// store): "
+            "write through the ORM on the store's database; its rows commit with the mark"
+        )
     return session
 
 

@@ -29,6 +29,7 @@ SUPPORTED_SCHEMES = (
     "postgresql[+driver]://",
     "mysql[+driver]://",
     "mariadb[+driver]://",
+    "django://ALIAS",
 )
 
 
@@ -60,7 +61,8 @@ def open_store(url: str, **options: Any) -> Store:
     ``redis+sentinel://``, ``redis+cluster://`` → :class:`~taskonce.stores.redis.RedisStore`;
     ``sqlite:///``, ``postgresql+psycopg://``, ``mysql+pymysql://`` (any SQLAlchemy URL of
     those dialects) →
-    :class:`~taskonce.stores.sql.SQLStore`. ``options`` go to the store's constructor.
+    :class:`~taskonce.stores.sql.SQLStore`; ``django://ALIAS`` (in a Django project) →
+    :class:`~taskonce.django_ext.DjangoStore`. ``options`` go to the store's constructor.
 
     The URL's query string takes taskonce's own options (``prefix`` for Redis, ``table`` for
     SQL) and the driver's, passed through; any other name raises :class:`ConfigError` here,
@@ -91,6 +93,16 @@ def open_store(url: str, **options: Any) -> Store:
             # SQLStore's ConfigError, naming the extra and the URL form it supports
             raise ConfigError(f"store URL {redact(url)!r}: {exc}") from None
         return SQLStore(url, **options)
+    if base == "django":
+        try:
+            from taskonce.django_ext.store import DjangoStore
+        except ImportError as exc:
+            raise ConfigError(
+                f"store URL {redact(url)!r} needs Django: pip install 'taskonce[django]' ({exc})"
+            ) from None
+        if options:
+            raise ConfigError(f"store URL {redact(url)!r} takes no options, got {sorted(options)}")
+        return DjangoStore.from_url(url)
     raise ConfigError(
         f"unknown store URL scheme {scheme!r} in {redact(url)!r}; "
         f"supported: {', '.join(SUPPORTED_SCHEMES)}"

@@ -95,7 +95,7 @@ class SQLStore(SQLTransactions):
         applies to the transactional engine only.
     """
 
-    schemes = ("sqlite", "postgresql", "mysql", "mariadb")
+    schemes: tuple[str, ...] = ("sqlite", "postgresql", "mysql", "mariadb")
 
     def __init__(
         self,

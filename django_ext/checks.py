@@ -1,0 +1,3 @@
+"""System checks (``manage.py check``) for taskonce's settings. Filled in below."""
+
+from __future__ import annotations

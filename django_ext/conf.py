@@ -1,0 +1,150 @@
+"""``settings.TASKONCE``, read in one place: the guard a Django project's workers and views
+share.
+
+::
+
+    TASKONCE = {
+        "STORE": "django://default",     # default; or any store URL (redis://…, postgresql://…)
+        "DEFAULT": {"mode": "eager", "transactional": True},   # Policy fields
+        "QUEUES": {"emails": {"mode": "lazy", "transactional": False}},
+        "EVENTS": [],                    # extra event sinks (taskonce.JsonlEvents(…), …)
+        "SEND_LIMIT": 1048576,           # Guard(send_limit=…)
+        "DISPATCH_LEASE": 30.0,          # Guard(dispatch_lease=…)
+    }
+
+Every key is optional. :func:`guard` builds the guard once per process (again after
+``override_settings(TASKONCE=…)`` in a test).
+"""
+
+from __future__ import annotations
+
+import difflib
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from taskonce.errors import ConfigError
+from taskonce.guard import Guard
+from taskonce.stores.base import Store
+
+#: The keys of ``settings.TASKONCE`` and their defaults.
+DEFAULTS: dict[str, Any] = {
+    "STORE": "django://default",
+    "DEFAULT": {},
+    "QUEUES": {},
+    "EVENTS": [],
+    "SEND_LIMIT": None,
+    "DISPATCH_LEASE": None,
+}
+
+_lock = threading.Lock()
+_guard: Guard | None = None
+
+
+def read_settings() -> dict[str, Any]:
+    """``settings.TASKONCE`` over :data:`DEFAULTS`.
+
+    :raises ConfigError: it is not a dict, or it has a key taskonce does not know (the message
+        suggests the close one)."""
+    from django.conf import settings
+
+    given = getattr(settings, "TASKONCE", {})
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"settings.TASKONCE must be a dict, not {type(given).__name__}")
+    for name in given:
+        if name not in DEFAULTS:
+            close = difflib.get_close_matches(str(name).upper(), DEFAULTS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"settings.TASKONCE has no setting {name!r}{hint}; known: {', '.join(DEFAULTS)}"
+            )
+    return {**DEFAULTS, **given}
+
+
+def store_url() -> str:
+    """The store URL of ``settings.TASKONCE["STORE"]``."""
+    url = read_settings()["STORE"]
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigError(
+            f'settings.TASKONCE["STORE"] must be a store URL such as "django://default" or '
+            f'"redis://localhost:6379/0", not {url!r}'
+        )
+    return url
+
+
+def open_configured_store() -> Store:
+    """The store ``settings.TASKONCE["STORE"]`` names."""
+    from taskonce.stores import open_store
+
+    return open_store(store_url())
+
+
+def build_guard() -> Guard:
+    """A new guard from ``settings.TASKONCE``.
+
+    :raises ConfigError: a bad setting or policy, naming it."""
+    values = read_settings()
+    options: dict[str, Any] = {}
+    if values["SEND_LIMIT"] is not None:
+        options["send_limit"] = values["SEND_LIMIT"]
+    if values["DISPATCH_LEASE"] is not None:
+        options["dispatch_lease"] = values["DISPATCH_LEASE"]
+    for name in ("DEFAULT", "QUEUES"):
+        if not isinstance(values[name], Mapping):
+            raise ConfigError(
+                f'settings.TASKONCE["{name}"] must be a dict, not {type(values[name]).__name__}'
+            )
+    store = open_configured_store()
+    try:
+        return Guard(store, values["DEFAULT"], values["QUEUES"], list(values["EVENTS"]), **options)
+    except BaseException:
+        store.close()
+        raise
+
+
+def guard() -> Guard:
+    """The project's guard, built from ``settings.TASKONCE`` on first use and shared by every
+    caller in the process (Celery's ``setup(app, guard())``, the Dramatiq middleware,
+    :func:`~taskonce.django_ext.send_on_commit`, the management commands).
+
+    :raises ConfigError: a bad setting or policy, naming it. Called while a worker command
+        (``celery worker``, ``dramatiq``) imports the project, the worker refuses to start
+        instead: one line, exit status 78.
+    """
+    global _guard
+    if _guard is not None:
+        return _guard
+    with _lock:
+        if _guard is None:
+            try:
+                _guard = build_guard()
+            except ConfigError as exc:
+                _refuse_if_worker(exc)
+                raise
+        return _guard
+
+
+def reset() -> None:
+    """Forget the process's guard (closing it): the next :func:`guard` reads the settings
+    again. Connected to Django's ``setting_changed`` for ``TASKONCE``."""
+    global _guard
+    with _lock:
+        old, _guard = _guard, None
+    if old is not None:
+        old.close()
+
+
+def _refuse_if_worker(exc: ConfigError) -> None:
+    import logging
+    import os
+    import sys
+
+    from taskonce.exits import refuse_start
+
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    celery_worker = program == "celery" and "worker" in sys.argv[1:]
+    if celery_worker or program in ("dramatiq", "rundramatiq") or "rundramatiq" in sys.argv[1:2]:
+        refuse_start(exc, logging.getLogger("taskonce.django_ext"))
+
+
+__all__ = ["DEFAULTS", "build_guard", "guard", "open_configured_store", "read_settings", "reset"]

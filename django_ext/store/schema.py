@@ -1,0 +1,72 @@
+"""The store's two tables on a Django database: the same DDL as ``taskonce init-db`` writes
+(:mod:`taskonce.stores.sql.schema`), compiled for the alias's backend and run through Django's
+schema editor. The app's migration calls :func:`create_tables`; a table already there (made by
+``taskonce init-db`` before the project moved to ``django://``) is kept as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+from taskonce.stores.sql.schema import DEFAULT_TABLE, make_live_table, make_table
+
+from .statements import VENDORS, dialect_for
+
+
+def _mysql_collation(connection: Any) -> str:
+    """A binary collation that compares keys exactly, as the SQL store's tables have."""
+    version = tuple(connection.mysql_version)
+    if connection.mysql_is_mariadb:
+        return "utf8mb4_nopad_bin" if version >= (10, 2) else "utf8mb4_bin"
+    return "utf8mb4_0900_bin" if version >= (8, 0) else "utf8mb4_bin"
+
+
+def table_ddl(connection: Any, table: str = DEFAULT_TABLE) -> list[tuple[str, list[str]]]:
+    """``(table name, [CREATE TABLE, CREATE INDEX …])`` for the keys table and its liveness
+    table on Django ``connection``'s backend."""
+    family = VENDORS[connection.vendor]
+    dialect = dialect_for(family)
+    options: dict[str, Any] = {}
+    if family == "mysql":
+        options = {
+            "mysql_engine": "InnoDB",
+            "mysql_charset": "utf8mb4",
+            "mysql_collate": _mysql_collation(connection),
+        }
+    made = []
+    for make in (make_table, make_live_table):
+        created = make(sa.MetaData(), table, None, **options)
+        statements = [str(sa.schema.CreateTable(created).compile(dialect=dialect)).strip()]
+        statements += [
+            str(sa.schema.CreateIndex(index).compile(dialect=dialect)) for index in created.indexes
+        ]
+        made.append((created.name, statements))
+    return made
+
+
+def create_tables(connection: Any, table: str = DEFAULT_TABLE) -> bool:
+    """Create the store's tables on Django ``connection`` unless they exist; True when this
+    call created the keys table."""
+    existing = set(connection.introspection.table_names())
+    created = False
+    with connection.cursor() as cursor:
+        for name, statements in table_ddl(connection, table):
+            if name in existing:
+                continue
+            for statement in statements:
+                cursor.execute(statement)
+            created = created or name == table
+    return created
+
+
+def drop_tables(connection: Any, table: str = DEFAULT_TABLE) -> None:
+    """Drop the store's tables (the migration's reverse)."""
+    quote = connection.ops.quote_name
+    with connection.cursor() as cursor:
+        for name, _ in reversed(table_ddl(connection, table)):
+            cursor.execute(f"DROP TABLE IF EXISTS {quote(name)}")
+
+
+__all__ = ["create_tables", "drop_tables", "table_ddl"]

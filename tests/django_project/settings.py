@@ -1,0 +1,113 @@
+"""Settings of the test project (``DJANGO_SETTINGS_MODULE=tests.django_project.settings``).
+
+Three databases on the machine's services, each the test process's own (named after the xdist
+worker, so parallel test processes never share one; worker processes a test starts inherit the
+name through ``TASKONCE_DJANGO_DB``): ``default`` on PostgreSQL (the project's database),
+``mariadb`` and ``sqlite`` for the store-level tests. :func:`tests.django_project.databases.ready`
+creates them and runs the migrations.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pymysql
+
+pymysql.install_as_MySQLdb()  # Django's MySQL backend on PyMySQL (no C client needed)
+
+DB_NAME = os.environ.get("TASKONCE_DJANGO_DB") or (
+    "taskonce_django_" + os.environ.get("PYTEST_XDIST_WORKER", "main")
+)
+
+SECRET_KEY = "tests-only"
+DEBUG = False
+ALLOWED_HOSTS = ["*"]
+USE_TZ = True
+DEFAULT_AUTO_FIELD = "django.db.models.AutoField"
+ROOT_URLCONF = "tests.django_project.urls"
+
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": DB_NAME,
+        "USER": "postgres",
+        "HOST": "127.0.0.1",
+        "PORT": 5432,
+    },
+    "mariadb": {
+        "ENGINE": "django.db.backends.mysql",
+        "NAME": DB_NAME,
+        "USER": "root",
+        "HOST": "127.0.0.1",
+        "PORT": 3306,
+    },
+    "sqlite": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": os.path.join(tempfile.gettempdir(), f"{DB_NAME}.sqlite3"),
+    },
+}
+
+INSTALLED_APPS = [
+    "django.contrib.contenttypes",
+    "django.contrib.auth",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.admin",
+    "taskonce.django_ext",
+    "tests.django_project.shop",
+]
+if os.environ.get("TASKONCE_DJANGO_DRAMATIQ"):
+    # A Dramatiq worker or web process of the project: django_dramatiq makes the broker
+    # (with taskonce's middleware by its dotted path) when the apps are ready.
+    INSTALLED_APPS.insert(0, "django_dramatiq")
+
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+TASKONCE = {
+    "STORE": "django://default",
+    "DEFAULT": {"mode": "eager", "transactional": True, "lease": 30},
+}
+
+# Celery (tests/django_project/celery.py), broker on Redis db 14 unless a test says otherwise.
+CELERY_BROKER_URL = os.environ.get("TASKONCE_DJANGO_BROKER", "redis://127.0.0.1:6379/14")
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("TASKONCE_DJANGO_QUEUE", "shop")
+
+DRAMATIQ_BROKER = {
+    "BROKER": "dramatiq.brokers.rabbitmq.RabbitmqBroker",
+    "OPTIONS": {"url": os.environ.get("TASKONCE_DJANGO_AMQP", "amqp://guest:guest@127.0.0.1:5672")},
+    "MIDDLEWARE": [
+        "dramatiq.middleware.AgeLimit",
+        "dramatiq.middleware.TimeLimit",
+        "dramatiq.middleware.Callbacks",
+        "dramatiq.middleware.Retries",
+        "django_dramatiq.middleware.DbConnectionsMiddleware",
+        "taskonce.django_ext.IdempotencyMiddleware",
+    ],
+}
+DRAMATIQ_AUTODISCOVER_MODULES = ["actors"]
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"taskonce": {"handlers": ["console"], "level": "INFO"}},
+}
