@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
@@ -21,6 +22,7 @@ from celery import Task
 from celery.exceptions import Ignore, Reject
 from celery.signals import task_postrun
 
+from taskonce import handoff
 from taskonce.action import Action, Do, after, before
 from taskonce.celery_ext.config import (
     AppState,
@@ -500,6 +502,23 @@ class IdempotentTask(Task):  # type: ignore[misc]
             headers.setdefault(QUEUE_HEADER, name)
             options["headers"] = headers
         return super().apply(args, kwargs, **options)
+
+    def delay_on_commit(self, *args: Any, **kwargs: Any) -> None:
+        """Celery 5.4's Django ``delay_on_commit``: :meth:`delay` once the database
+        transaction commits. Where taskonce already holds the sends until a commit — inside a
+        guarded handler (the hand-off publishes them after its record) or a
+        ``send_on_commit()`` block (an outbox row in the transaction) — it is :meth:`delay`,
+        captured like any other send; elsewhere Django's ``transaction.on_commit``."""
+        self.apply_async_on_commit(args, kwargs)
+
+    def apply_async_on_commit(self, *args: Any, **kwargs: Any) -> None:
+        """Celery 5.4's Django ``apply_async_on_commit``, as :meth:`delay_on_commit`."""
+        if handoff.current() is not None:
+            self.apply_async(*args, **kwargs)
+            return
+        from django.db import transaction
+
+        transaction.on_commit(functools.partial(self.apply_async, *args, **kwargs))
 
     def _release_active(self) -> None:
         active = _ACTIVE.get()
