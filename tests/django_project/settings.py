@@ -1,23 +1,28 @@
 """Settings of the test project (``DJANGO_SETTINGS_MODULE=tests.django_project.settings``).
 
 Three databases on the machine's services, each the test process's own (named after the xdist
-worker, so parallel test processes never share one; worker processes a test starts inherit the
-name through ``TASKONCE_DJANGO_DB``): ``default`` on PostgreSQL (the project's database),
+worker, so parallel test processes never share one, and after the checkout; worker processes a
+test starts inherit the name through ``TASKONCE_DJANGO_DB``): ``default`` on PostgreSQL (the project's database),
 ``mariadb`` and ``sqlite`` for the store-level tests. :func:`tests.django_project.databases.ready`
 creates them and runs the migrations.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
+from pathlib import Path
 
 import pymysql
 
 pymysql.install_as_MySQLdb()  # Django's MySQL backend on PyMySQL (no C client needed)
 
+# ... and the checkout's own: two clones (or worktrees) running the tests at the same time on
+# one machine's services must not empty each other's tables.
+CHECKOUT = hashlib.sha1(str(Path(__file__).resolve().parents[2]).encode()).hexdigest()[:6]
 DB_NAME = os.environ.get("TASKONCE_DJANGO_DB") or (
-    "taskonce_django_" + os.environ.get("PYTEST_XDIST_WORKER", "main")
+    f"taskonce_django_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}_{CHECKOUT}"
 )
 
 SECRET_KEY = "tests-only"
@@ -81,15 +86,36 @@ TEMPLATES = [
     }
 ]
 
+if os.environ.get("TASKONCE_DJANGO_ATOMIC_REQUESTS"):
+    DATABASES["default"]["ATOMIC_REQUESTS"] = True
+
+# The shop's queues (tasks and actors alike): QUEUE (the default policy), QUEUE-lazy and
+# QUEUE-optimistic. The worker tests give each run its own QUEUE, events file, marks directory
+# (tests/django_project/shop/scenarios.py), relay period and dispatch lease by environment.
+QUEUE = os.environ.get("TASKONCE_DJANGO_QUEUE", "shop")
+
 TASKONCE = {
     "STORE": "django://default",
     "DEFAULT": {"mode": "eager", "transactional": True, "lease": 30},
+    "QUEUES": {
+        f"{QUEUE}-lazy": {"mode": "lazy", "transactional": True},
+        f"{QUEUE}-optimistic": {"mode": "lazy", "transactional": True, "check_first": False},
+    },
 }
+if os.environ.get("TASKONCE_DJANGO_EVENTS"):
+    import taskonce
+
+    TASKONCE["EVENTS"] = [taskonce.JsonlEvents(os.environ["TASKONCE_DJANGO_EVENTS"])]
+if os.environ.get("TASKONCE_DJANGO_DISPATCH_LEASE"):
+    TASKONCE["DISPATCH_LEASE"] = float(os.environ["TASKONCE_DJANGO_DISPATCH_LEASE"])
 
 # Celery (tests/django_project/celery.py), broker on Redis db 14 unless a test says otherwise.
 CELERY_BROKER_URL = os.environ.get("TASKONCE_DJANGO_BROKER", "redis://127.0.0.1:6379/14")
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_ACKS_LATE = True
-CELERY_TASK_DEFAULT_QUEUE = os.environ.get("TASKONCE_DJANGO_QUEUE", "shop")
+CELERY_TASK_DEFAULT_QUEUE = QUEUE
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASKONCE_RELAY_EVERY = float(os.environ.get("TASKONCE_DJANGO_RELAY_EVERY", "30"))
 
 DRAMATIQ_BROKER = {
     "BROKER": "dramatiq.brokers.rabbitmq.RabbitmqBroker",
@@ -99,6 +125,7 @@ DRAMATIQ_BROKER = {
         "dramatiq.middleware.TimeLimit",
         "dramatiq.middleware.Callbacks",
         "dramatiq.middleware.Retries",
+        "dramatiq.middleware.CurrentMessage",
         "django_dramatiq.middleware.DbConnectionsMiddleware",
         "taskonce.django_ext.IdempotencyMiddleware",
     ],

@@ -3,4 +3,9 @@
 from django.contrib import admin
 from django.urls import path
 
-urlpatterns = [path("admin/", admin.site.urls)]
+from tests.django_project.shop import views
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("shop/orders/", views.place_order, name="place-order"),
+]
