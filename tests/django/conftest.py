@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,21 +101,6 @@ def outbox_pending() -> list[str]:
     ]
 
 
-def outbox_sends(key: str) -> list[str]:
-    """The message ids of an outbox record's sends."""
-    from taskonce.django_ext.models import Record
-
-    text = Record.objects.get(key=key).sends or "[]"
-    return [str(send.get("id")) for send in _sends(text)]
-
-
-def _sends(text: str) -> list[dict[str, Any]]:
-    value = json.loads(text)
-    if isinstance(value, dict):
-        value = value.get("sends", [])
-    return [json.loads(item) if isinstance(item, str) else item for item in value]
-
-
 # -- a run's names, its events ------------------------------------------------------------------
 
 
@@ -152,7 +137,9 @@ class Run:
         env.update(extra)
         return env
 
-    def events(self, message_id: str | None = None, name: str | None = None) -> list[dict[str, Any]]:
+    def events(
+        self, message_id: str | None = None, name: str | None = None
+    ) -> list[dict[str, Any]]:
         try:
             text = self.events_path.read_text()
         except FileNotFoundError:
@@ -357,7 +344,6 @@ __all__ = [
     "order_exists",
     "order_paid",
     "outbox_pending",
-    "outbox_sends",
     "payments",
     "setup_project",
 ]

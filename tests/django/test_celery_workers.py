@@ -68,7 +68,10 @@ def _delete_queues(run: Run) -> None:
 
     client = redis.Redis.from_url(BROKER)
     try:
-        names = [*client.scan_iter(match=f"{run.queue}*"), *client.scan_iter(f"_kombu.*{run.queue}*")]
+        names = [
+            *client.scan_iter(match=f"{run.queue}*"),
+            *client.scan_iter(f"_kombu.*{run.queue}*"),
+        ]
         if names:
             client.delete(*names)
     finally:

@@ -19,14 +19,13 @@ from .scenarios import rehearsal
 RETRIES = {"max_retries": 3, "min_backoff": 100, "max_backoff": 500}
 
 
-def _charge(order_id: int, **test: Any) -> int:
+def _charge(order_id: int, **test: Any) -> None:
     message = dramatiq.middleware.CurrentMessage.get_current_message()
     message_id = message.message_id if message is not None else ""
     with rehearsal(message_id, **test):
         order = Order.objects.get(pk=order_id)
         Order.objects.filter(pk=order_id).update(paid=True)
-        payment = Payment.objects.create(order=order, cents=order.cents, message_id=message_id)
-    return int(payment.pk)
+        Payment.objects.create(order=order, cents=order.cents, message_id=message_id)
 
 
 charge = dramatiq.actor(_charge, actor_name="shop_charge", queue_name=settings.QUEUE, **RETRIES)
