@@ -160,17 +160,20 @@ def test_rolled_back_view_sends_nothing(run: Run, web: WebServer) -> None:
     nothing_of(run, web, ref, answer["sent"])
 
 
+@pytest.mark.parametrize("way", ["outbox", "outbox_on_commit"])
 def test_process_dying_between_commit_and_publish_is_relayed_once(
-    run: Run, worker: ProjectProcess, web: WebServer
+    run: Run, worker: ProjectProcess, way: str
 ) -> None:
     """The web process exits (``os._exit`` in an ``on_commit`` hook registered before the
     send's): the order committed with its outbox record, nothing was published; the worker's
-    relay publishes it, once, and the charge runs once."""
+    relay publishes it, once, and the charge runs once. The same for ``delay_on_commit``
+    inside ``send_on_commit()``: an outbox record too, not a hook that died with the
+    process."""
     dying = WebServer(run).start()
     ref = new_ref("die")
     try:
         with pytest.raises(OSError):  # the connection drops: the process is gone
-            dying.post(ORDERS, ref=ref, fate="die")
+            dying.post(ORDERS, ref=ref, fate="die", way=way)
         assert dying.process is not None
         assert dying.process.wait(timeout=10) == 17  # views.DIED: nothing after the commit ran
     finally:

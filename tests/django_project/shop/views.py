@@ -5,8 +5,9 @@
 - ``ref`` (unique), ``cents``;
 - ``framework``: ``celery`` (``shop.tasks.charge.delay``, default) or ``dramatiq``
   (``shop.actors.charge.send``);
-- ``way``: ``outbox`` (``with send_on_commit(): …``, default) or ``on_commit`` (Celery 5.4's
-  ``charge.delay_on_commit``);
+- ``way``: ``outbox`` (``with send_on_commit(): charge.delay(…)``, default), ``on_commit``
+  (Celery 5.4's ``charge.delay_on_commit(…)``) or ``outbox_on_commit`` (``delay_on_commit``
+  inside ``send_on_commit()``);
 - ``atomic``: ``1`` (the view's own ``transaction.atomic()``, default) or ``0`` (none: the
   request's, with ``ATOMIC_REQUESTS``, or autocommit);
 - ``fate``: ``commit`` (default), ``rollback`` (``set_rollback(True)``: no order, no send),
@@ -14,7 +15,7 @@
   in an ``on_commit`` hook registered before the send's: committed, never published).
 
 Answers ``{"order": id, "sent": [message ids]}`` (the ids the sends got inside the block;
-none for ``on_commit``, whose id Celery gives at commit).
+none for ``delay_on_commit``, which returns nothing).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def _send(framework: str, way: str, order_id: int) -> list[str]:
         charge.delay_on_commit(order_id)
         return []
     with send_on_commit():
+        if way == "outbox_on_commit":
+            charge.delay_on_commit(order_id)
+            return []
         return [charge.delay(order_id).id]
 
 
