@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from taskonce import worker
-from taskonce.dispatch import Dispatcher
+from taskonce.dispatch import RECORDER_HOLD, Dispatcher
 from taskonce.errors import (
     ConfigError,
     InProgressElsewhere,
@@ -67,12 +67,6 @@ MIN_RETRY_AFTER = 0.1
 FIRST_RECHECK = 0.25
 #: Claims of a key whose dead owner's claim another delivery took over first, before deferring.
 _TAKE_OVER_ATTEMPTS = 3
-
-#: Seconds a handler's recorder holds its sends after recording them, to publish them
-#: (milliseconds, normally). Short, so that when its worker dies right after the record a
-#: redelivery or the relay publishes them within seconds; a recorder still publishing after
-#: this may see them published twice, under the same ids (a guarded child drops the second).
-RECORDER_HOLD = 10.0
 
 
 class Guard:
@@ -370,8 +364,9 @@ class Guard:
         ``check_first=False``, or as one of two copies that both passed the look-up): its
         transaction is rolled back and ``ticket.decision`` becomes ``SKIP`` (or ``DEFER``, see
         :meth:`_decide`); a different payload under the key raises :class:`PayloadMismatch`.
-        Adapters look at the decision after this returns. An integrity error at the commit (a
-        constraint of the handler's own, checked at commit) is raised as the handler's failure.
+        Adapters look at the decision after this returns. A commit that fails on the handler's
+        account (its own constraint checked at the commit, a transaction Django marked for
+        rollback) is raised as the handler's failure: nothing stands, an eager claim is released.
         """
         if ticket.decision is not Decision.RUN:
             return
@@ -405,6 +400,11 @@ class Guard:
                 if recorded:
                     self._emit(Event.SENDS_DISPATCHED, ticket, count=len(sends))
             raise
+        except Exception:
+            if transactional:  # the commit failed on the handler's account: see above
+                close_session(ticket)
+                self._release(ticket)
+            raise
         finally:
             close_session(ticket)
             if sends and not recorded:
@@ -434,6 +434,10 @@ class Guard:
         if sends:
             self._emit(Event.SENDS_DISCARDED, ticket, count=len(sends))
         close_session(ticket)
+        self._release(ticket)
+
+    def _release(self, ticket: Ticket) -> None:
+        """Release an eager run's claim so that a retry can claim the key again."""
         if ticket.policy.mode != "eager" or ticket.owner is None:
             return
         assert ticket.key is not None
