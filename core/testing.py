@@ -214,7 +214,9 @@ def _join_all(broker: StubBroker, deadline: float, fail_fast: bool) -> None:
             try:
                 broker.join(name, timeout=left, fail_fast=fail_fast)
             except QueueJoinTimeout:
-                busy = {n: q.unfinished_tasks for n, q in broker.queues.items() if q.unfinished_tasks}
+                busy = {
+                    n: q.unfinished_tasks for n, q in broker.queues.items() if q.unfinished_tasks
+                }
                 raise TimeoutError(
                     f"the Dramatiq queues still hold messages after the deadline: {busy} (an "
                     "actor retrying with Dramatiq's backoff? declare test actors with "
@@ -298,9 +300,7 @@ class Twice(NamedTuple):
 
     def describe(self) -> str:
         """Both deliveries, one line each."""
-        return (
-            f"  delivery 1: {self.first.describe()}\n  delivery 2: {self.second.describe()}"
-        )
+        return f"  delivery 1: {self.first.describe()}\n  delivery 2: {self.second.describe()}"
 
 
 def deliver_twice(
