@@ -414,7 +414,8 @@ def _celery_delivery(
     options = {} if queue is None else {"queue": queue}
 
     def run() -> tuple[Any, BaseException | None, bool]:
-        result = task.apply(tuple(args), kwargs, task_id=message_id, **options)
+        # throw=False: a failure is reported, whatever the app's task_eager_propagates
+        result = task.apply(tuple(args), kwargs, task_id=message_id, throw=False, **options)
         failed = result.state == "FAILURE"
         error = result.result if failed and isinstance(result.result, BaseException) else None
         return result, error, failed
