@@ -364,9 +364,8 @@ class Guard:
         ``check_first=False``, or as one of two copies that both passed the look-up): its
         transaction is rolled back and ``ticket.decision`` becomes ``SKIP`` (or ``DEFER``, see
         :meth:`_decide`); a different payload under the key raises :class:`PayloadMismatch`.
-        Adapters look at the decision after this returns. A commit that fails on the handler's
-        account (its own constraint checked at the commit, a transaction Django marked for
-        rollback) is raised as the handler's failure: nothing stands, an eager claim is released.
+        Adapters look at the decision after this returns. A commit failing on the handler's
+        account (a deferred constraint; Django's rollback-only transaction) is its failure.
         """
         if ticket.decision is not Decision.RUN:
             return
@@ -393,9 +392,8 @@ class Guard:
         except StoreUnavailable:
             self._emit(Event.STORE_ERROR, ticket, duration=True)
             if sends and ticket._session is None:
-                # The handler's effects stand but its outcome could not be recorded: its
-                # messages leave now, best effort, as they would without the hand-off (a
-                # redelivery that runs it again sends them under the same ids).
+                # Its effects stand, its outcome unrecorded: its messages leave now, best
+                # effort (a redelivery that runs it again sends them under the same ids).
                 recorded = self.dispatcher.publish_all(key, sends)
                 if recorded:
                     self._emit(Event.SENDS_DISPATCHED, ticket, count=len(sends))
@@ -410,8 +408,7 @@ class Guard:
             if sends and not recorded:
                 self._emit(Event.SENDS_DISCARDED, ticket, count=len(sends))
         if transactional and not recorded:
-            # The mark met a live record, so the handler's transaction was rolled back (closed
-            # above): decide now what a look-up would have, from the record that won.
+            # The mark met a live record (transaction rolled back): decide as a look-up would.
             self._decide(ticket, winning_record(self.store, ticket, self._emit), rolled_back=True)
             return
         if sends:
@@ -525,12 +522,16 @@ class Guard:
         self.close()
 
     def wait_for_store(self, timeout: float = START_TIMEOUT) -> None:
-        """Wait up to ``timeout`` seconds for the store to answer one read; adapters call it
-        when a worker starts, where an unreachable store is almost always a wrong URL.
+        """Wait up to ``timeout`` s for the store to answer one read (adapters call it as a
+        worker starts, where no answer is almost always a wrong URL): :class:`StoreUnavailable`
+        in one line, or :class:`ConfigError` if it answers unready (:meth:`Store.check_ready`)."""
+        store, me = self.store, identity_text()
 
-        :raises StoreUnavailable: it did not answer in time (the message says so in one line).
-        """
-        wait_for_store(lambda: self.store.seen(identity_text()), self.store.describe(), timeout)
+        def answers() -> None:
+            store.check_ready()
+            store.seen(me)
+
+        wait_for_store(answers, store.describe(), timeout)
 
     def _renew(self, ticket: Ticket) -> None:
         assert ticket.key is not None and ticket.owner is not None
