@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from taskonce import worker
-from taskonce.dispatch import Dispatcher
+from taskonce.dispatch import RECORDER_HOLD, Dispatcher
 from taskonce.errors import (
     ConfigError,
     InProgressElsewhere,
@@ -67,12 +67,6 @@ MIN_RETRY_AFTER = 0.1
 FIRST_RECHECK = 0.25
 #: Claims of a key whose dead owner's claim another delivery took over first, before deferring.
 _TAKE_OVER_ATTEMPTS = 3
-
-#: Seconds a handler's recorder holds its sends after recording them, to publish them
-#: (milliseconds, normally). Short, so that when its worker dies right after the record a
-#: redelivery or the relay publishes them within seconds; a recorder still publishing after
-#: this may see them published twice, under the same ids (a guarded child drops the second).
-RECORDER_HOLD = 10.0
 
 
 class Guard:
@@ -370,8 +364,8 @@ class Guard:
         ``check_first=False``, or as one of two copies that both passed the look-up): its
         transaction is rolled back and ``ticket.decision`` becomes ``SKIP`` (or ``DEFER``, see
         :meth:`_decide`); a different payload under the key raises :class:`PayloadMismatch`.
-        Adapters look at the decision after this returns. An integrity error at the commit (a
-        constraint of the handler's own, checked at commit) is raised as the handler's failure.
+        Adapters look at the decision after this returns. A commit failing on the handler's
+        account (a deferred constraint; Django's rollback-only transaction) is its failure.
         """
         if ticket.decision is not Decision.RUN:
             return
@@ -398,20 +392,23 @@ class Guard:
         except StoreUnavailable:
             self._emit(Event.STORE_ERROR, ticket, duration=True)
             if sends and ticket._session is None:
-                # The handler's effects stand but its outcome could not be recorded: its
-                # messages leave now, best effort, as they would without the hand-off (a
-                # redelivery that runs it again sends them under the same ids).
+                # Its effects stand, its outcome unrecorded: its messages leave now, best
+                # effort (a redelivery that runs it again sends them under the same ids).
                 recorded = self.dispatcher.publish_all(key, sends)
                 if recorded:
                     self._emit(Event.SENDS_DISPATCHED, ticket, count=len(sends))
+            raise
+        except Exception:
+            if transactional:  # the commit failed on the handler's account: see above
+                close_session(ticket)
+                self._release(ticket)
             raise
         finally:
             close_session(ticket)
             if sends and not recorded:
                 self._emit(Event.SENDS_DISCARDED, ticket, count=len(sends))
         if transactional and not recorded:
-            # The mark met a live record, so the handler's transaction was rolled back (closed
-            # above): decide now what a look-up would have, from the record that won.
+            # The mark met a live record (transaction rolled back): decide as a look-up would.
             self._decide(ticket, winning_record(self.store, ticket, self._emit), rolled_back=True)
             return
         if sends:
@@ -434,6 +431,10 @@ class Guard:
         if sends:
             self._emit(Event.SENDS_DISCARDED, ticket, count=len(sends))
         close_session(ticket)
+        self._release(ticket)
+
+    def _release(self, ticket: Ticket) -> None:
+        """Release an eager run's claim so that a retry can claim the key again."""
         if ticket.policy.mode != "eager" or ticket.owner is None:
             return
         assert ticket.key is not None
@@ -521,12 +522,16 @@ class Guard:
         self.close()
 
     def wait_for_store(self, timeout: float = START_TIMEOUT) -> None:
-        """Wait up to ``timeout`` seconds for the store to answer one read; adapters call it
-        when a worker starts, where an unreachable store is almost always a wrong URL.
+        """Wait up to ``timeout`` s for the store to answer one read (adapters call it as a
+        worker starts, where no answer is almost always a wrong URL): :class:`StoreUnavailable`
+        in one line, or :class:`ConfigError` if it answers unready (:meth:`Store.check_ready`)."""
+        store, me = self.store, identity_text()
 
-        :raises StoreUnavailable: it did not answer in time (the message says so in one line).
-        """
-        wait_for_store(lambda: self.store.seen(identity_text()), self.store.describe(), timeout)
+        def answers() -> None:
+            store.check_ready()
+            store.seen(me)
+
+        wait_for_store(answers, store.describe(), timeout)
 
     def _renew(self, ticket: Ticket) -> None:
         assert ticket.key is not None and ticket.owner is not None

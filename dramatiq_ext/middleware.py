@@ -185,7 +185,7 @@ class IdempotencyMiddleware(Middleware):
         self._in_cli_worker = True
         try:
             self.guard.wait_for_store(self.start_timeout)
-        except StoreUnavailable as exc:
+        except (ConfigError, StoreUnavailable) as exc:
             refuse_start(exc)
 
     def before_declare_actor(self, broker: Broker, actor: Actor[Any, Any]) -> None:

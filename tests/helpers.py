@@ -67,6 +67,9 @@ def wait_for(
 
 
 STORE_KINDS = ["memory", "redis", "postgresql", "mariadb", "sqlite"]
+# The SQL store on a Django database's own connection (django://ALIAS), per backend: the
+# store-level tests (contract, properties, sends) run on these too.
+DJANGO_KINDS = ["django-postgresql", "django-mariadb", "django-sqlite"]
 # Redis as deployed (tests/redis_topologies.py), started once per session on first use: the
 # store contract runs on these too.
 REDIS_DEPLOYMENTS = ["redis-cluster", "redis-sentinel"]
@@ -82,6 +85,16 @@ def make_store(kind: str, tmp_path: Any) -> Store:
         return taskonce.open_store(REDIS_URL, prefix=f"t{suffix}")
     if kind == "sqlite":
         return taskonce.open_store(f"sqlite:///{tmp_path}/store-{suffix}.db")
+    if kind in DJANGO_KINDS:
+        from taskonce.django_ext import DjangoStore
+        from tests.django_project import databases
+
+        alias = databases.ALIASES[kind]
+        if alias != "sqlite":
+            require_service("postgresql" if alias == "default" else alias)
+        databases.ready([alias])
+        databases.empty(alias)
+        return DjangoStore(alias)
     if kind in REDIS_DEPLOYMENTS:
         from tests import redis_topologies
 
@@ -104,6 +117,10 @@ def drop_store(store: Store) -> None:
         for name in keys:
             pipe.delete(name)
         pipe.execute()
+    elif store.__class__.__name__ == "DjangoStore":
+        from tests.django_project import databases
+
+        databases.empty(store.alias)  # type: ignore[attr-defined]
     elif store.__class__.__name__ == "SQLStore":
         store._table.drop(store._engine, checkfirst=True)  # type: ignore[attr-defined]
         store._live_table.drop(store._engine, checkfirst=True)  # type: ignore[attr-defined]

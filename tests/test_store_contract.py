@@ -12,10 +12,17 @@ import pytest
 
 from taskonce.errors import LeaseLost
 from taskonce.stores import ClaimOutcome, Status, Store
-from tests.helpers import REDIS_DEPLOYMENTS, STORE_KINDS, drop_store, make_store, wait_for
+from tests.helpers import (
+    DJANGO_KINDS,
+    REDIS_DEPLOYMENTS,
+    STORE_KINDS,
+    drop_store,
+    make_store,
+    wait_for,
+)
 
 
-@pytest.fixture(params=[*STORE_KINDS, *REDIS_DEPLOYMENTS])
+@pytest.fixture(params=[*STORE_KINDS, *REDIS_DEPLOYMENTS, *DJANGO_KINDS])
 def store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Store]:
     """Every store, and Redis as deployed (a cluster, a Sentinel-managed master)."""
     s = make_store(request.param, tmp_path)

@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from taskonce.errors import LeaseLost
 from taskonce.stores import ClaimOutcome, Status
-from tests.helpers import REDIS_DEPLOYMENTS, STORE_KINDS, drop_store, make_store
+from tests.helpers import DJANGO_KINDS, REDIS_DEPLOYMENTS, STORE_KINDS, drop_store, make_store
 
 KEYS = st.sampled_from(("q:a", "q:b", "other:a"))
 OWNERS = st.sampled_from(("o1", "o2", "o3"))
@@ -173,9 +173,10 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
 
 EXAMPLES = {"memory": 150, "redis": 25, "postgresql": 25, "mariadb": 25, "sqlite": 25}
 EXAMPLES.update({"redis-cluster": 8, "redis-sentinel": 15})
+EXAMPLES.update(dict.fromkeys(DJANGO_KINDS, 15))
 
 
-@pytest.mark.parametrize("kind", [*STORE_KINDS, *REDIS_DEPLOYMENTS])
+@pytest.mark.parametrize("kind", [*STORE_KINDS, *REDIS_DEPLOYMENTS, *DJANGO_KINDS])
 def test_store_follows_the_contract(kind: str) -> None:
     machine: Any = machine_for(kind)
     machine.TestCase.settings = settings(

@@ -16,6 +16,7 @@ import taskonce
 from taskonce.errors import LeaseLost
 from taskonce.stores import Status, Store
 from tests.helpers import (
+    DJANGO_KINDS,
     MARIADB_URL,
     POSTGRES_URL,
     REDIS_DEPLOYMENTS,
@@ -27,7 +28,7 @@ from tests.helpers import (
 )
 
 
-@pytest.fixture(params=[*STORE_KINDS, *REDIS_DEPLOYMENTS])
+@pytest.fixture(params=[*STORE_KINDS, *REDIS_DEPLOYMENTS, *DJANGO_KINDS])
 def store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Store]:
     """Every store, and Redis as deployed (a cluster, a Sentinel-managed master)."""
     s = make_store(request.param, tmp_path)

@@ -305,6 +305,11 @@ class StoreOperations(abc.ABC):
         """A one-line description for logs and the CLI, never containing a password."""
         return type(self).__name__
 
+    def check_ready(self) -> None:
+        """At a worker's start, once the store answers: :class:`ConfigError` when it is not set
+        up for taskonce in a way no wait can mend (a Django database not migrated)."""
+        return  # every store but Django's is ready once it answers
+
 
 class Store(StoreKeys, StoreLiveness, StoreSends, StoreOperations):
     """A place to record claims and marks. Implementations: memory, Redis, SQL.

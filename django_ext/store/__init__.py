@@ -171,6 +171,17 @@ class DjangoStore(SQLStore):
         with self._errors("create_tables"):
             return create_tables(self._wrapper())
 
+    def check_ready(self) -> None:
+        """:class:`ConfigError` when the store's table is missing: the migration has not run
+        on this database (at a worker's start: no wait mends that)."""
+        with self._errors("check_ready"):
+            tables = self._wrapper().introspection.table_names()
+        if DEFAULT_TABLE not in tables:
+            raise ConfigError(
+                f"store {self._redacted}: the table {DEFAULT_TABLE} does not exist in database "
+                f"{self.alias!r}; create it with: python manage.py migrate --database {self.alias}"
+            )
+
     def _after_fork(self) -> None:
         return  # Django's connections: Celery's fixup and django_dramatiq handle forks
 

@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 #: The aliases of the test project's databases, by the store kind tests name them with.
 ALIASES = {"django-postgresql": "default", "django-mariadb": "mariadb", "django-sqlite": "sqlite"}
 
 
+#: What a worker process of the test project needs in its environment.
+SETTINGS_MODULE = "tests.django_project.settings"
+
+
 def setup_django() -> None:
-    """Configure Django with the test project's settings in this process (once)."""
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.django_project.settings")
+    """Configure Django with the test project's settings in this process (once).
+
+    Through ``settings.configure``, not ``DJANGO_SETTINGS_MODULE``: the environment is
+    inherited by every worker process other tests start, and Celery turns its Django fixup on
+    for any app made where that variable is set. A test that starts a worker of the project
+    sets it in that worker's environment (:data:`SETTINGS_MODULE`)."""
     import django
     from django.apps import apps
+    from django.conf import settings
 
+    if not settings.configured:
+        from tests.django_project import settings as project
+
+        settings.configure(
+            **{name: getattr(project, name) for name in dir(project) if name.isupper()}
+        )
     if not apps.ready:
         django.setup()
 
