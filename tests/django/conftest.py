@@ -35,18 +35,13 @@ SETTINGS = "tests.django_project.settings"
 
 def setup_project() -> str:
     """Django set up on the test project in this process and its PostgreSQL database migrated;
-    the database's name. ``DJANGO_SETTINGS_MODULE`` is not left in this process's environment
-    (Celery apps made later by other tests would take it as a Django project); the processes
-    started here get it explicitly."""
+    the database's name (the processes started here get it and ``DJANGO_SETTINGS_MODULE`` in
+    their environment; this process's environment keeps neither, see
+    :func:`tests.django_project.databases.setup_django`)."""
     require_service("postgresql")
-    had = os.environ.get("DJANGO_SETTINGS_MODULE")
     from tests.django_project import databases
 
-    try:
-        databases.ready(["default"])
-    finally:
-        if had is None:
-            os.environ.pop("DJANGO_SETTINGS_MODULE", None)
+    databases.ready(["default"])
     from django.conf import settings
 
     return str(settings.DATABASES["default"]["NAME"])

@@ -1,9 +1,9 @@
 """Settings of the test project (``DJANGO_SETTINGS_MODULE=tests.django_project.settings``).
 
 Three databases on the machine's services, each the test process's own (named after the xdist
-worker, so parallel test processes never share one, and after the checkout; worker processes a
-test starts inherit the name through ``TASKONCE_DJANGO_DB``): ``default`` on PostgreSQL (the project's database),
-``mariadb`` and ``sqlite`` for the store-level tests. :func:`tests.django_project.databases.ready`
+worker and the checkout, so neither parallel test processes nor two clones' runs share one;
+worker processes a test starts inherit the name through ``TASKONCE_DJANGO_DB``): ``default``
+on PostgreSQL (the project's database), ``mariadb`` and ``sqlite`` for the store-level tests. :func:`tests.django_project.databases.ready`
 creates them and runs the migrations.
 """
 
@@ -18,8 +18,8 @@ import pymysql
 
 pymysql.install_as_MySQLdb()  # Django's MySQL backend on PyMySQL (no C client needed)
 
-# ... and the checkout's own: two clones (or worktrees) running the tests at the same time on
-# one machine's services must not empty each other's tables.
+# Two clones (or worktrees) testing at the same time on one machine's services must not empty
+# each other's tables: the name carries the checkout's.
 CHECKOUT = hashlib.sha1(str(Path(__file__).resolve().parents[2]).encode()).hexdigest()[:6]
 DB_NAME = os.environ.get("TASKONCE_DJANGO_DB") or (
     f"taskonce_django_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}_{CHECKOUT}"
