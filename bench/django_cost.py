@@ -83,8 +83,8 @@ def per_message(run: Callable[[int], object], n: int) -> float:
 
 def task_variants(messages: int) -> dict[str, Callable[[int], object]]:
     from django.db import transaction
-
     from djangobench.models import Order, Payment
+
     from taskonce import Delivery, Guard
     from taskonce.django_ext import DjangoStore
 
@@ -125,8 +125,8 @@ def task_variants(messages: int) -> dict[str, Callable[[int], object]]:
 def view_variants(broker_url: str) -> tuple[dict[str, Callable[[int], object]], Any]:
     from celery import Celery
     from django.db import transaction
-
     from djangobench.models import Order
+
     from taskonce import Guard
     from taskonce.celery_ext import IdempotentTask, setup
     from taskonce.django_ext import DjangoStore, send_on_commit
@@ -187,7 +187,7 @@ def main() -> None:
         rows.append(("a transactional task", name, f"{value:,.0f}", f"{value / base:.2f}×"))
     server = h.RedisServer().start()
     try:
-        variants, app = view_variants(server.url)
+        variants, _app = view_variants(server.url)  # the app must live while it publishes
         views = measure(variants, args.messages, args.rounds)
         base = views["plain on_commit(delay)"]
         for name, value in views.items():

@@ -39,7 +39,7 @@ from taskonce.handoff import (
 )
 from taskonce.heartbeat import Heartbeat
 from taskonce.keys import fingerprint, make_key, owner_token
-from taskonce.outage import START_TIMEOUT, StoreHealth, wait_for_store
+from taskonce.outage import START_TIMEOUT, StoreHealth, store_probe, wait_for_store
 from taskonce.outbox import (
     _PUBLISHING,
     OUTBOX_PREFIX,
@@ -187,6 +187,7 @@ class Guard:
         Raises :class:`InvalidInput` (no usable id), :class:`PayloadMismatch` (same key,
         different arguments) and, with ``fail_closed``, :class:`StoreUnavailable`.
         """
+        self._liveness.start()  # in this process, from its first delivery (not at import)
         policy = self.policy_for(delivery.queue, delivery.override)
         if not policy.enabled:
             return Ticket(delivery, policy, Decision.UNGUARDED)
@@ -525,13 +526,8 @@ class Guard:
         """Wait up to ``timeout`` s for the store to answer one read (adapters call it as a
         worker starts, where no answer is almost always a wrong URL): :class:`StoreUnavailable`
         in one line, or :class:`ConfigError` if it answers unready (:meth:`Store.check_ready`)."""
-        store, me = self.store, identity_text()
-
-        def answers() -> None:
-            store.check_ready()
-            store.seen(me)
-
-        wait_for_store(answers, store.describe(), timeout)
+        wait_for_store(store_probe(self.store, identity_text()), self.store.describe(), timeout)
+        self._liveness.start()  # a worker writes its record from its start
 
     def _renew(self, ticket: Ticket) -> None:
         assert ticket.key is not None and ticket.owner is not None

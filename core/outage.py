@@ -19,8 +19,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from taskonce.errors import StoreUnavailable
+
+if TYPE_CHECKING:
+    from taskonce.stores.base import Store
 
 logger = logging.getLogger("taskonce")
 
@@ -124,6 +128,18 @@ def _reset_lock(ref: weakref.ReferenceType[StoreHealth]) -> None:
         health._lock = threading.Lock()
 
 
+def store_probe(store: Store, me: str) -> Callable[[], object]:
+    """One round trip that tells a worker's start whether ``store`` answers: set up
+    (:meth:`~taskonce.stores.base.Store.check_ready`, a :class:`ConfigError` otherwise) and
+    reading the liveness record of ``me``."""
+
+    def probe() -> object:
+        store.check_ready()
+        return store.seen(me)
+
+    return probe
+
+
 def wait_for_store(
     probe: Callable[[], object],
     describe: str,
@@ -163,4 +179,4 @@ def wait_for_store(
     )
 
 
-__all__ = ["REMIND_EVERY", "START_TIMEOUT", "StoreHealth", "wait_for_store"]
+__all__ = ["REMIND_EVERY", "START_TIMEOUT", "StoreHealth", "store_probe", "wait_for_store"]

@@ -164,8 +164,11 @@ def owner_gone(owner: Identity) -> bool | None:
 class Liveness:
     """Writes this process's liveness record every :data:`BEAT_INTERVAL` seconds.
 
-    A daemon thread starts with the guard, and again in every forked child (Celery's pool
-    processes, Dramatiq's worker processes), so a worker writes its record from its start.
+    A daemon thread starts at :meth:`start` — the guard's first delivery in a process, or a
+    worker's start check — and again in every forked child of a process where it ran (Celery's
+    pool processes, Dramatiq's worker processes), so a worker writes its record from its start
+    while a process that only imports the guard (a web process; Django loading its apps) never
+    writes one.
     :meth:`ensure` runs before every claim: if this process has not written its record yet,
     it writes it at once, so no claim exists without one; otherwise it only reads an
     attribute. A failed write is retried on the next beat; after one, the process does not call
@@ -193,7 +196,14 @@ class Liveness:
             after_in_parent=lambda: _release_after_fork(ref),
             after_in_child=lambda: _restart_in_child(ref),
         )
-        self._start()
+
+    def start(self) -> None:
+        """Start this process's liveness thread unless it runs (one attribute read then)."""
+        running = self._thread
+        if running is None or running[0] != os.getpid():
+            with self._lock:
+                if self._thread is running:
+                    self._start()
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
@@ -218,6 +228,7 @@ class Liveness:
         """
         if self._written_pid == os.getpid():
             return
+        self.start()
         try:
             self.beat()
         except StoreUnavailable as exc:
@@ -277,7 +288,8 @@ def _restart_in_child(ref: weakref.ReferenceType[Liveness]) -> None:
     liveness = ref()
     if liveness is not None:
         liveness._reset()  # the parent's lock may be held by a thread that is gone here
-        liveness._start()
+        if liveness._thread is not None:  # it ran in the parent: a worker's pool process
+            liveness._start()
 
 
 def _beat_loop(ref: weakref.ReferenceType[Liveness], pid: int) -> None:
