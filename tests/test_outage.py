@@ -158,6 +158,7 @@ def test_a_dropped_guard_stops_its_liveness_thread_even_while_the_store_is_down(
     try:
         before = set(threading.enumerate())
         guard = Guard(taskonce.open_store(f"redis://127.0.0.1:{free_port()}/0"))
+        guard._liveness.start()  # as a worker's start check or first delivery starts it
         liveness = weakref.ref(guard._liveness)
         health = guard.health
         wait_for(lambda: health.down_since is not None, what="the first failed beat")
@@ -170,3 +171,17 @@ def test_a_dropped_guard_stops_its_liveness_thread_even_while_the_store_is_down(
         assert not thread.is_alive()
     finally:
         gc.enable()
+
+
+def test_a_guard_that_is_only_built_writes_no_liveness_record() -> None:
+    """A web process (or Django loading its apps) builds the guard without delivering
+    anything: no liveness thread, no write; the first delivery starts it."""
+    from taskonce.worker import identity_text
+
+    store = taskonce.MemoryStore()
+    before = set(threading.enumerate())
+    with Guard(store) as guard:
+        assert not [t for t in set(threading.enumerate()) - before if t.name == "taskonce-liveness"]
+        assert store.seen(identity_text()) is None
+        guard.run("m1", "q", lambda: None)
+        assert store.seen(identity_text()) is not None

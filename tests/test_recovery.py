@@ -216,7 +216,8 @@ def test_silence_is_not_judged_while_this_process_could_not_write_either(
     guard, store = setup_guard(clock, sink)
     foreign_claim(store, "other-host/4026531836/42/777")
     clock.now += LIVENESS_WINDOW + 1
-    monkeypatch.setattr(guard._liveness, "_healthy_since", None)  # its last write failed
+    guard._liveness.ensure()  # it wrote its record once…
+    monkeypatch.setattr(guard._liveness, "_healthy_since", None)  # …then a write failed
     with pytest.raises(InProgressElsewhere) as info:
         guard.run("m1", "q", Counter())
     assert info.value.retry_after == pytest.approx(SILENCE_STREAK + 0.5)

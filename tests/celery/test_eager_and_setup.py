@@ -287,9 +287,7 @@ def test_optimistic_policy_from_the_settings(tmp_path: Any) -> None:
     """check_first travels through the settings like every Policy field."""
     app = make_app(
         taskonce_store=f"sqlite:///{tmp_path}/s.db",
-        taskonce_queues={
-            "payments": {"mode": "lazy", "transactional": True, "check_first": False}
-        },
+        taskonce_queues={"payments": {"mode": "lazy", "transactional": True, "check_first": False}},
     )
     guard = setup(app)
     try:
