@@ -134,6 +134,8 @@ class _ReadOnly(admin.ModelAdmin):
     (its queries on that alias)."""
 
     show_full_result_count = False  # no COUNT(*) of a large table on every page
+    # nor one per filter choice (Django 5's facets; the attribute means nothing to 4.2)
+    show_facets = getattr(getattr(admin, "ShowFacets", None), "NEVER", None)
     list_per_page = 100
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:

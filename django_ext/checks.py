@@ -1,28 +1,24 @@
 """System checks (``manage.py check``) for taskonce's settings, under the tag ``taskonce``.
 
-========================  =================================================================
-``taskonce.E001``         ``settings.TASKONCE`` is not valid: not a dict, an unknown key (with
-                          the close one), a bad ``EVENTS``, ``SEND_LIMIT`` or
-                          ``DISPATCH_LEASE``
-``taskonce.E002``         a policy of ``DEFAULT`` or ``QUEUES`` is not valid (unknown field,
-                          bad value): the text the guard would refuse it with
-``taskonce.E003``         ``STORE`` is not a store URL taskonce can open (unknown scheme, bad
-                          option, missing extra)
-``taskonce.E004``         ``STORE`` is ``django://ALIAS`` and ``ALIAS`` is not in
-                          ``DATABASES`` (or its backend is not PostgreSQL, MySQL or SQLite)
-``taskonce.E005``         a policy is ``transactional`` and the store has no transaction to
-                          share (``redis://``, ``memory://``)
-``taskonce.W001``         a policy is ``transactional`` and the store is an SQL URL: only
-                          ``taskonce.current_session()`` writes share the mark's transaction,
-                          not the ORM's
-``taskonce.W002``         ``DRAMATIQ_BROKER["MIDDLEWARE"]`` lacks
-                          ``taskonce.django_ext.IdempotencyMiddleware``
-``taskonce.W003``         a policy is ``transactional`` on ``django://ALIAS`` while
-                          ``DATABASES`` has other aliases or ``DATABASE_ROUTERS`` is set:
-                          writes routed elsewhere are outside the handler's transaction
-``taskonce.W004``         the store (Redis, PostgreSQL, MySQL) did not answer within
-                          :data:`PROBE_TIMEOUT` seconds
-========================  =================================================================
+- ``taskonce.E001``: ``settings.TASKONCE`` is not valid: not a dict, an unknown key (with the
+  close one), a bad ``EVENTS``, ``SEND_LIMIT`` or ``DISPATCH_LEASE``;
+- ``taskonce.E002``: a policy of ``DEFAULT`` or ``QUEUES`` is not valid (unknown field, bad
+  value), in the words the guard would refuse it with;
+- ``taskonce.E003``: ``STORE`` is not a store URL taskonce can open (unknown scheme, bad option,
+  missing extra);
+- ``taskonce.E004``: ``STORE`` is ``django://ALIAS`` and ``ALIAS`` is not in ``DATABASES`` (or
+  its backend is not PostgreSQL, MySQL/MariaDB or SQLite);
+- ``taskonce.E005``: a policy is ``transactional`` and the store has no transaction to share
+  (``redis://``, ``memory://``);
+- ``taskonce.W001``: a policy is ``transactional`` and the store is an SQL URL: only writes
+  through ``taskonce.current_session()`` share the mark's transaction, not the ORM's;
+- ``taskonce.W002``: ``DRAMATIQ_BROKER["MIDDLEWARE"]`` lacks
+  ``taskonce.django_ext.IdempotencyMiddleware``;
+- ``taskonce.W003``: a policy is ``transactional`` on ``django://ALIAS`` while ``DATABASES`` has
+  other aliases or ``DATABASE_ROUTERS`` is set: writes routed elsewhere are outside the
+  handler's transaction;
+- ``taskonce.W004``: the store (Redis, PostgreSQL, MySQL/MariaDB) did not answer within
+  :data:`PROBE_TIMEOUT` seconds.
 
 The checks build no guard (it would start threads): they validate the settings with the same
 functions the guard uses (:class:`~taskonce.policy.Policy`, :class:`~taskonce.policy.Policies`)

@@ -1,0 +1,1 @@
+"""Tests of taskonce.django_ext against the test project (tests/django_project)."""
