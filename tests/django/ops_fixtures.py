@@ -30,8 +30,13 @@ KEYS = (CLAIMED, HANDLED, SENDING, EXPIRED, OTHER)
 
 def project_store() -> Iterator[Any]:
     """The project's database (``default``, PostgreSQL) migrated and emptied, the guard of
-    ``settings.TASKONCE`` forgotten before and after; yields a ``DjangoStore`` on it."""
+    ``settings.TASKONCE`` forgotten before and after; yields a ``DjangoStore`` on it.
+
+    ``DJANGO_SETTINGS_MODULE``, which setting Django up puts in the environment, is taken out
+    again after: worker processes that later tests start would inherit it (Celery's Django
+    fixup would then set the test project up in them)."""
     require_service("postgresql")
+    had_settings = "DJANGO_SETTINGS_MODULE" in os.environ
     databases.ready(["default"])
     databases.empty("default")
     from taskonce.django_ext import DjangoStore, conf
@@ -42,6 +47,8 @@ def project_store() -> Iterator[Any]:
     finally:
         conf.reset()
         databases.empty("default")
+        if not had_settings:
+            os.environ.pop("DJANGO_SETTINGS_MODULE", None)
 
 
 def put_records(store: Any) -> None:

@@ -210,3 +210,54 @@ def test_relay_publishes_through_the_projects_celery_app(store: Any) -> None:
         assert message.headers["id"] == "child-7"
         assert message.headers["task"] == "shop.ship"
         message.ack()
+
+
+def test_relay_publishes_through_django_dramatiqs_broker(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With django_dramatiq installed, the broker DRAMATIQ_BROKER describes carries taskonce's
+    middleware on the project's guard; ``manage.py taskonce relay`` publishes through it."""
+    import uuid
+
+    import pika
+
+    from taskonce import Guard, handoff
+    from taskonce.django_ext import DjangoStore
+    from tests.helpers import require_service
+
+    require_service("rabbitmq")
+    queue = f"djops_relay_{uuid.uuid4().hex[:8]}"
+    stranding = Guard(DjangoStore("default"))
+
+    def down(send: Any) -> None:
+        raise ConnectionError("broker down")
+
+    stranding.register_publisher("dramatiq", down)
+
+    def body() -> None:
+        capture = handoff.current()
+        assert capture is not None
+        message = {"queue_name": queue, "actor_name": "ship", "args": [7], "kwargs": {}}
+        capture.add("dramatiq", {**message, "message_timestamp": 1}, message_id="child-d7")
+
+    stranding.run("m-stranded-d", "orders", body)
+    stranding.close()
+    assert store.get("orders:m-stranded-d").sends_pending
+
+    monkeypatch.setenv("TASKONCE_DJANGO_DRAMATIQ", "1")  # django_dramatiq in INSTALLED_APPS
+    run = django("taskonce", "relay", "--once", "--older-than", "0")
+    assert (run.returncode, run.stdout) == (
+        0,
+        "published the pending sends of 1 record(s)\n",
+    ), run.stderr
+    assert not store.get("orders:m-stranded-d").sends_pending
+    connection = pika.BlockingConnection(pika.URLParameters("amqp://guest:guest@127.0.0.1:5672"))
+    try:
+        channel = connection.channel()
+        method, _, payload = channel.basic_get(queue, auto_ack=True)
+        assert method is not None
+        assert json.loads(payload)["message_id"] == "child-d7"
+        for name in (queue, f"{queue}.DQ", f"{queue}.XQ"):
+            channel.queue_delete(name)
+    finally:
+        connection.close()
