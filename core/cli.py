@@ -16,7 +16,7 @@ import sqlite3
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import quote
@@ -316,6 +316,9 @@ def _relay_guard(args: argparse.Namespace) -> Guard:
         target, adapter = _load_object(args.celery_app, "--celery-app"), "celery_ext"
     elif args.dramatiq_broker:
         target, adapter = _load_object(args.dramatiq_broker, "--dramatiq-broker"), "dramatiq_ext"
+    elif getattr(args, "project_guard", None) is not None:  # main(relay_guard=…)
+        project: Guard = args.project_guard()
+        return project
     else:
         raise ConfigError(
             "taskonce relay needs --celery-app MODULE:app or --dramatiq-broker MODULE:broker: "
@@ -402,17 +405,23 @@ def _cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(
+    prog: str = "taskonce", commands: Collection[str] | None = None, store: str | None = None
+) -> argparse.ArgumentParser:
+    """The command's parser; ``commands`` keeps only those commands, and a given ``store`` URL
+    is fixed (no ``--store`` option): how ``manage.py taskonce`` uses it."""
+
     def options(parser: argparse.ArgumentParser, suppress: bool) -> argparse.ArgumentParser:
         # Options may stand before or after the command; the command's copies must not reset
         # what was given before it, so they default to "absent".
         default: dict[str, Any] = {"default": argparse.SUPPRESS} if suppress else {}
-        parser.add_argument(
-            "--store",
-            metavar="URL",
-            help=f"store URL (default: $TASKONCE_STORE or {DEFAULT_STORE})",
-            **default,
-        )
+        if store is None:
+            parser.add_argument(
+                "--store",
+                metavar="URL",
+                help=f"store URL (default: $TASKONCE_STORE or {DEFAULT_STORE})",
+                **default,
+            )
         parser.add_argument(
             "--json", action="store_true", help="machine-readable output", **default
         )
@@ -443,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     on_store = [common, store_options]
     parser = options(
         argparse.ArgumentParser(
-            prog="taskonce",
+            prog=prog,
             description="Effectively-once Celery tasks and Dramatiq actors: run the demo,\n"
             "inspect and maintain the store.",
             epilog=EXIT_CODES,
@@ -451,9 +460,16 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         suppress=False,
     )
+    if store is not None:
+        parser.set_defaults(store=store)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser(
+    def command(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        if commands is None or name in commands:
+            return sub.add_parser(name, **kwargs)
+        return argparse.ArgumentParser(add_help=False)  # not offered: its options go nowhere
+
+    demo = command(
         "demo", parents=[common], help="run the duplicate-delivery demo with a real worker"
     )
     demo.add_argument("--framework", choices=("celery", "dramatiq"), default="celery")
@@ -461,31 +477,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--count", type=int, default=300, help="charge tasks to send (default 300)")
     demo.set_defaults(func=_cmd_demo)
 
-    stats = sub.add_parser(
+    stats = command(
         "stats",
         parents=on_store,
         help="count the records per queue: claimed, completed (eager), marked (lazy)",
     )
     stats.set_defaults(func=_cmd_stats)
 
-    inspect = sub.add_parser("inspect", parents=on_store, help="show one key's record")
+    inspect = command("inspect", parents=on_store, help="show one key's record")
     inspect.add_argument(
         "key", metavar="KEY", help="the store key, e.g. payments:<task id> (or --queue QUEUE ID)"
     )
     inspect.set_defaults(func=_cmd_inspect)
 
-    release = sub.add_parser(
+    release = command(
         "release", parents=on_store, help="delete one key's record (an operator's release)"
     )
     release.add_argument("key", metavar="KEY")
     release.set_defaults(func=_cmd_release)
 
-    purge = sub.add_parser("purge", parents=on_store, help="delete expired records")
+    purge = command("purge", parents=on_store, help="delete expired records")
     purge.add_argument("--batch", type=int, default=1000, help="rows per delete (default 1000)")
     purge.add_argument("--events", metavar="FILE", help="append the purged event to this JSONL")
     purge.set_defaults(func=_cmd_purge)
 
-    relay = sub.add_parser(
+    relay = command(
         "relay",
         parents=[common],
         help="publish deferred sends left pending (a worker died after recording its outcome)",
@@ -508,18 +524,18 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--batch", type=int, default=100, help="records per sweep (default 100)")
     relay.set_defaults(func=_cmd_relay)
 
-    init_db = sub.add_parser("init-db", parents=on_store, help="create the SQL store's table")
+    init_db = command("init-db", parents=on_store, help="create the SQL store's table")
     init_db.set_defaults(func=_cmd_init_db)
 
     from taskonce.spark_ext.cli import add_arguments as add_audit_arguments  # no Spark import
 
-    audit = sub.add_parser(
+    audit = command(
         "audit", parents=[common], help="audit event logs with Spark; recommend keep_for"
     )
     add_audit_arguments(audit)
     audit.set_defaults(func=_cmd_audit)
     if _bench_script().is_file():  # listed only where it can run: a source checkout
-        bench = sub.add_parser(
+        bench = command(
             "bench",
             help="per-operation store latency against raw Redis/SQL calls (bench/store_ops.py)",
         )
@@ -530,23 +546,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
-    """Entry point of the ``taskonce`` console script; returns the exit code."""
+def main(
+    argv: Sequence[str] | None = None,
+    out: TextIO | None = None,
+    *,
+    prog: str = "taskonce",
+    commands: Collection[str] | None = None,
+    store: str | None = None,
+    relay_guard: Callable[[], Guard] | None = None,
+) -> int:
+    """Entry point of the ``taskonce`` console script; returns the exit code. A command that
+    embeds it (``manage.py taskonce``) gives its ``prog``, the ``commands`` it offers, a fixed
+    ``store`` URL (no ``--store``) and ``relay``'s guard when no app or broker is named."""
     out = out or sys.stdout
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"] and (
-        argv[1:2] not in (["-h"], ["--help"]) or not _bench_script().is_file()
+    if (
+        argv[:1] == ["bench"]
+        and (commands is None or "bench" in commands)
+        and (argv[1:2] not in (["-h"], ["--help"]) or not _bench_script().is_file())
     ):
         # bench's options belong to bench/store_ops.py: hand them over untouched (without a
         # checkout, bench is not listed, and says so with or without --help)
         args = argparse.Namespace(command="bench", bench_args=argv[1:], verbose=False)
         args.func = _cmd_bench
     else:
-        args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+        args = build_parser(prog, commands, store).parse_args(argv)
+        args.project_guard = relay_guard
+    if not logging.getLogger("taskonce").handlers:  # else its host (Django's LOGGING) did
+        logging.basicConfig(
+            level=logging.DEBUG if args.verbose else logging.WARNING,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
     try:
         return int(args.func(args, out))
     except TaskonceError as exc:
