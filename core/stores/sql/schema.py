@@ -145,7 +145,15 @@ def make_table(metadata: sa.MetaData, name: str, schema: str | None, **dialect_k
         **dialect_kw,
     )
     sa.Index(index_name(name), table.c.expires_at)
-    sa.Index(index_name(name).replace("expires_at", "sends_at"), table.c.sends_at)
+    # Only records with sends pending have a sends_at (the relay's index): PostgreSQL and
+    # SQLite index just those; MariaDB/MySQL have no partial indexes and index every row.
+    pending = table.c.sends_at.isnot(None)
+    sa.Index(
+        index_name(name).replace("expires_at", "sends_at"),
+        table.c.sends_at,
+        postgresql_where=pending,
+        sqlite_where=pending,
+    )
     return table
 
 
