@@ -281,7 +281,7 @@ def test_snippet_runs(block: Block, tmp_path: Path) -> None:
 RAW_ROLE = re.compile(
     r":(?:py:)?(?:func|class|meth|attr|mod|exc|data|obj):(?:`|<code>|\\u003ccode|&lt;code)"
 )
-PACKAGE_FOLDERS = ("celery_ext", "dramatiq_ext", "spark_ext", "demo")
+PACKAGE_FOLDERS = ("celery_ext", "dramatiq_ext", "spark_ext", "demo", "django_ext")
 
 
 @pytest.fixture(scope="module")

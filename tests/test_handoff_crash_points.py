@@ -340,7 +340,8 @@ class World:
             except Crash as crash:
                 crashes.append(crash)
                 self.queue.append(message)  # unacknowledged: the broker delivers it again
-                guard = self.guard()  # the worker died; a new one takes the message
+                _stop_threads(guard)  # the worker died (its store is the module's: kept open)
+                guard = self.guard()  # a new one takes the message
                 self.wait(LEASE)  # a redelivery comes after the broker notices the death
             except InProgressElsewhere as busy:
                 self.wait(busy.retry_after)
@@ -348,7 +349,16 @@ class World:
             except RuntimeError:
                 if not self.permanent:  # a retry: the broker delivers it again
                     self.queue.append(dataclasses.replace(message, attempt=message.attempt + 1))
+        _stop_threads(guard)
         return crashes
+
+
+def _stop_threads(guard: taskonce.Guard) -> None:
+    """A dead worker writes no more liveness records: without this, the guards of a module
+    whose stores are dropped at its end keep beating into missing tables (and logging it)."""
+    guard._liveness.stop()
+    guard._heartbeat.stop()
+    guard.stop_relay()
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,11 @@ def setup_django() -> None:
     if not settings.configured:
         from tests.django_project import settings as project
 
-        settings.configure(
-            **{name: getattr(project, name) for name in dir(project) if name.isupper()}
-        )
+        # Not its LOGGING: in a test process that would set the taskonce loggers' levels for
+        # every test after this one (the project's worker processes keep it).
+        values = {name: getattr(project, name) for name in dir(project) if name.isupper()}
+        values.pop("LOGGING", None)
+        settings.configure(**values)
     if not apps.ready:
         django.setup()
 
