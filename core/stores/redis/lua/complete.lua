@@ -1,20 +1,19 @@
--- Turn the owner's claim into a mark (fenced: the live record must be a claim of ARGV[1]; like
--- the memory store, a claim whose lease ran out but was not taken over is still owned). The
--- record's expiry moves to keep_ms from now by the server's clock: no TIME needed.
--- KEYS[1] record; ARGV owner, keep_ms, has_result ("1"/"0"), result.
--- Reply: 1 done, 0 not the owner's.
+-- Turn the owner's claim into a completed record (fenced: the live record must be a claim of
+-- ARGV[1]; like the memory store, a claim whose lease ran out but was not taken over is still
+-- owned). It keeps the claim's fingerprint and first time, moved to the new expiry: PTTL, no
+-- TIME.
+-- KEYS[1] record; ARGV owner, keep_ms[, result]. Reply: 1 done, 0 not the owner's.
 if redis.replicate_commands then redis.replicate_commands() end
-local function ms(x) return string.format('%.0f', x) end
 
-local h = redis.call('HMGET', KEYS[1], 'st', 'ow', 'lu')
-if h[1] ~= 'i' or h[2] ~= ARGV[1] then return 0 end
-
-if ARGV[3] == '1' then
-  redis.call('HDEL', KEYS[1], 'ow', 'wk')
-  redis.call('HSET', KEYS[1], 'st', 'c', 'rs', ARGV[4])
-else
-  redis.call('HDEL', KEYS[1], 'ow', 'rs', 'wk')
-  redis.call('HSET', KEYS[1], 'st', 'c')
-end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local v = redis.call('GET', KEYS[1])
+local o = ARGV[1]
+if not v or string.sub(v, 1, #o + 2) ~= 'i' .. o .. '|' then return 0 end
+-- i<owner>|<created>|<lease>|<fp>|<worker>
+local b = string.find(v, '|', #o + 3, true)
+local c = string.find(v, '|', b + 1, true)
+local d = string.find(v, '|', c + 1, true)
+local created = ARGV[2] + string.sub(v, #o + 3, b - 1) - redis.call('PTTL', KEYS[1])
+local record = 'c' .. created .. '|' .. string.sub(v, c + 1, d - 1)
+if ARGV[3] then record = record .. '|' .. ARGV[3] end
+redis.call('SET', KEYS[1], record, 'PX', ARGV[2])
 return 1
