@@ -5,14 +5,14 @@ Why a packed string and not a hash of fields: a week of messages is tens of mill
 records, and a completed one must cost little more than the smallest thing Redis can keep
 under that key name (a plain ``SET key <8 bytes> PX``). A Redis string of at most 44 bytes is
 one allocation with its object header (``embstr``); at most 28 bytes it fits the 48-byte size
-class, which puts a completed eager record with its fingerprint at 136 bytes of ``MEMORY
-USAGE`` against the floor's 120 on the default key names (docs/performance.md). A listpack hash
-of the same fields was 232.
+class, which puts a completed eager record with its fingerprint (26 bytes) at 136 bytes of
+``MEMORY USAGE`` against the floor's 120 on the default key names (docs/performance.md). A
+listpack hash of the same fields was 232.
 
 The layout, the first character saying which (``|`` separates fields; text fields never hold
-one, see :func:`safe`)::
+one, see :func:`safe`; numbers are hexadecimal)::
 
-    i<owner>|<created>|<lease>|<fp>|<worker>       a claim (in progress)
+    i<owner>|<created>|<lease>|<fp>|<worker>       a claim (in progress; both numbers 11 digits)
     c<created>|<fp>[|<result>]                     completed (an eager claim's completion)
     m<created>|<fp>[|<result>]                     marked (lazy)
     p<created>|<fp>|<token>|<recorded>|<dispatch>|<n>|<sends>[|<result>]
@@ -24,13 +24,17 @@ one, see :func:`safe`)::
 later layout needs (a receipt awaited, its due time) go in this block, between ``dispatch``
 and ``n``, under a kind letter of their own.
 
-Times are whole milliseconds *before the record's expiry* (the key's own ``PEXPIRE``, set by
-the Redis server's clock): ``created`` is the first claim or mark, ``lease`` the end of a
-claim's lease. A client can write a record with one plain ``SET … NX PX`` and still have every
-time judged by the server's clock (a claim's lease ends ``keep_ms`` before the expiry it asks
-for), a script can tell whether a lease ran out from ``PTTL`` alone (``PTTL <= lease``), and
-the numbers stay as short as the retention is long, whatever the date. A script that moves
-the expiry rewrites the offsets.
+Times are whole milliseconds *before the record's expiry* (the key's own ``PX``, set by the
+Redis server's clock): ``created`` is the first claim or mark, ``lease`` the end of a claim's
+lease, ``dispatch`` the end of a dispatcher's lease (0 when it outlives the record). A client
+can write a record with one plain ``SET … NX PX`` and still have every time judged by the
+server's clock (a claim's lease ends ``keep_ms`` before the expiry it asks for), a script can
+tell whether a lease ran out from ``PTTL`` alone (``PTTL <= lease``), and the numbers stay as
+short as the retention is long, whatever the date. A script that moves the expiry rewrites the
+offsets. Hexadecimal because a script reads it with ``tonumber(s, 16)`` (``strtoul``) and
+writes it with ``%x``, a fraction of the instructions of decimal's ``strtod`` and ``%.14g`` on
+the completion's path, and it is shorter; a claim's two numbers have a fixed width, so the
+completion finds them without a search.
 
 ``result`` is the last field (it may hold anything); ``sends`` is length-prefixed for the same
 reason. ``fp``, ``owner``, ``worker`` and ``token`` are written by :func:`packed_fp` and
@@ -100,16 +104,22 @@ def unsafe(field: str) -> str | None:
     return field
 
 
+#: a claim's numbers are this many hex digits (up to 557 years)
+WIDTH = 11
+
+
 def claim_record(owner: str, ttl_ms: int, keep_ms: int, fp: str, worker: str) -> str:
     """A new claim as the client writes it with ``SET … NX PX ttl_ms`` (``fp`` packed, the
     texts :func:`safe`): created at the write (``ttl_ms`` before the expiry), its lease ending
     ``keep_ms`` before the expiry."""
-    return f"i{owner}|{ttl_ms}|{keep_ms}|{fp}|{worker}"
+    if ttl_ms >= 16**WIDTH:
+        raise ValueError(f"a lease and keep_for of {ttl_ms} ms together are too long to keep")
+    return f"i{owner}|{ttl_ms:011x}|{keep_ms:011x}|{fp}|{worker}"
 
 
 def mark_record(keep_ms: int, fp: str, result: str | None) -> str:
     """A lazy mark as the client writes it with ``SET … NX PX keep_ms``."""
-    return f"m{keep_ms}|{fp}" if result is None else f"m{keep_ms}|{fp}|{result}"
+    return f"m{keep_ms:x}|{fp}" if result is None else f"m{keep_ms:x}|{fp}|{result}"
 
 
 def sending_record(
@@ -118,7 +128,8 @@ def sending_record(
     """A mark with pending ``sends`` (a JSON array) as :data:`mark_sends` writes it: recorded
     now, its dispatcher's lease ``lease_ms`` from now, kept ``keep_ms``."""
     size = len(sends.encode("utf-8"))
-    head = f"{kind}{keep_ms}|{fp}|{token}|{keep_ms}|{keep_ms - lease_ms}|{size}|{sends}"
+    dispatch = max(0, keep_ms - lease_ms)
+    head = f"{kind}{keep_ms:x}|{fp}|{token}|{keep_ms:x}|{dispatch:x}|{size:x}|{sends}"
     return head if result is None else f"{head}|{result}"
 
 
@@ -157,24 +168,24 @@ def _parse(raw: bytes) -> Fields | None:
         owner, created, lease, fp, worker = raw[1:].decode("utf-8").split("|")
         return Fields(
             kind,
-            int(created),
+            int(created, 16),
             unpacked_fp(fp),
             owner=unsafe(owner),
-            lease=int(lease),
+            lease=int(lease, 16),
             worker=unsafe(worker),
         )
     if kind in (COMPLETED, MARKED):
         parts = raw[1:].split(b"|", 2)
         result = parts[2].decode("utf-8") if len(parts) > 2 else None
-        return Fields(kind, int(parts[0]), unpacked_fp(parts[1].decode("ascii")), result)
+        return Fields(kind, int(parts[0], 16), unpacked_fp(parts[1].decode("ascii")), result)
     head = raw[1:].split(b"|", 6)  # created, fp, token, recorded, dispatch, n, the rest
-    size = int(head[5])
+    size = int(head[5], 16)
     sends, tail = head[6][:size], head[6][size:]
     if tail and tail[:1] != b"|":
         return None
     return Fields(
         kind,
-        int(head[0]),
+        int(head[0], 16),
         unpacked_fp(head[1].decode("ascii")),
         tail[1:].decode("utf-8") if tail else None,
         token=unsafe(head[2].decode("utf-8")),

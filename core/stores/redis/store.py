@@ -294,9 +294,9 @@ class RedisStore(Store):
     ) -> None:
         """Turn ``owner``'s claim into a mark kept ``keep_for`` seconds, with ``sends`` pending
         (same script); :class:`LeaseLost` if the claim is no longer ``owner``'s."""
-        who = safe(owner)
+        keep = ms(keep_for)
         script = self._scripts.complete
-        args: tuple[Any, ...] = (who, ms(keep_for))
+        args: tuple[Any, ...] = (safe(owner), keep, f"{keep:x}")
         if sends:
             script = self._scripts.complete_sends
             index = self._names.index_of(key)

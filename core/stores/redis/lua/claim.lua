@@ -7,24 +7,23 @@ if redis.replicate_commands then redis.replicate_commands() end
 
 local v = redis.call('GET', KEYS[1])
 local ttl = tonumber(ARGV[2])
+local tail = '|' .. string.format('%011x', ARGV[3]) .. '|' .. ARGV[4] .. '|' .. ARGV[5]
 if not v then
-  redis.call('SET', KEYS[1], 'i' .. ARGV[1] .. '|' .. ttl .. '|' .. ARGV[3] .. '|' .. ARGV[4] ..
-             '|' .. ARGV[5], 'PX', ttl)
+  redis.call('SET', KEYS[1], 'i' .. ARGV[1] .. '|' .. string.format('%011x', ttl) .. tail,
+             'PX', ttl)
   return 1
 end
 local x = redis.call('PTTL', KEYS[1])
-if string.sub(v, 1, 1) == 'i' then
-  -- i<owner>|<created>|<lease>|<fp>|<worker>: the lease ran out when PTTL <= lease
+if string.byte(v) == 105 then
+  -- i<owner>|<created:11>|<lease:11>|<fp>|<worker>: the lease ran out when PTTL <= lease
   local a = string.find(v, '|', 2, true)
-  local b = string.find(v, '|', a + 1, true)
-  local c = string.find(v, '|', b + 1, true)
-  local d = string.find(v, '|', c + 1, true)
-  local fp = string.sub(v, c + 1, d - 1)
-  if x <= tonumber(string.sub(v, b + 1, c - 1))
+  local d = string.find(v, '|', a + 25, true)
+  local fp = string.sub(v, a + 25, d - 1)
+  if x <= tonumber(string.sub(v, a + 13, a + 23), 16)
       and (fp == '' or ARGV[4] == '' or fp == ARGV[4]) then
-    local created = ttl + tonumber(string.sub(v, a + 1, b - 1)) - x  -- the first claim's time
-    redis.call('SET', KEYS[1], 'i' .. ARGV[1] .. '|' .. created .. '|' .. ARGV[3] .. '|' ..
-               ARGV[4] .. '|' .. ARGV[5], 'PX', ttl)
+    local created = ttl + tonumber(string.sub(v, a + 1, a + 11), 16) - x  -- the first claim's
+    redis.call('SET', KEYS[1], 'i' .. ARGV[1] .. '|' .. string.format('%011x', created) .. tail,
+               'PX', ttl)
     return 2
   end
 end

@@ -13,7 +13,7 @@ if string.sub(v, b + 1, c - 1) ~= ARGV[1] then return 0 end
 local d = string.find(v, '|', c + 1, true)
 local e = string.find(v, '|', d + 1, true)
 local f = string.find(v, '|', e + 1, true)
-local rest = string.sub(v, f + 1 + tonumber(string.sub(v, e + 1, f - 1)))  -- '' or '|result'
+local rest = string.sub(v, f + 1 + tonumber(string.sub(v, e + 1, f - 1), 16))  -- '' or '|result'
 redis.call('SET', KEYS[1], (kind == 'p' and 'c' or 'm') .. string.sub(v, 2, b - 1) .. rest,
            'PX', math.max(1, redis.call('PTTL', KEYS[1])))
 redis.call('ZREM', ARGV[2], ARGV[3])

@@ -2,6 +2,8 @@
 -- KEYS[1] record; ARGV owner. Reply: 1 deleted, 0 not the owner's.
 
 local v = redis.call('GET', KEYS[1])
-if not v or string.sub(v, 1, #ARGV[1] + 2) ~= 'i' .. ARGV[1] .. '|' then return 0 end
+local n = #ARGV[1]
+if not v or string.byte(v) ~= 105 or string.byte(v, n + 2) ~= 124
+    or string.find(v, ARGV[1], 2, true) ~= 2 then return 0 end
 redis.call('DEL', KEYS[1])
 return 1

@@ -6,12 +6,12 @@ if redis.replicate_commands then redis.replicate_commands() end
 
 local v = redis.call('GET', KEYS[1])
 local o = ARGV[1]
-if not v or string.sub(v, 1, #o + 2) ~= 'i' .. o .. '|' then return 0 end
-local b = string.find(v, '|', #o + 3, true)
-local c = string.find(v, '|', b + 1, true)
-local d = string.find(v, '|', c + 1, true)
+local n = #o
+if not v or string.byte(v) ~= 105 or string.byte(v, n + 2) ~= 124
+    or string.find(v, o, 2, true) ~= 2 then return 0 end
 local ttl = tonumber(ARGV[3]) + tonumber(ARGV[4])
-local created = ttl + tonumber(string.sub(v, #o + 3, b - 1)) - redis.call('PTTL', KEYS[1])
-redis.call('SET', KEYS[1], 'i' .. ARGV[2] .. '|' .. created .. '|' .. ARGV[4] .. '|' ..
-           string.sub(v, c + 1, d - 1) .. '|' .. ARGV[5], 'PX', ttl)
+local created = ttl + tonumber(string.sub(v, n + 3, n + 13), 16) - redis.call('PTTL', KEYS[1])
+redis.call('SET', KEYS[1], 'i' .. ARGV[2] .. '|' .. string.format('%011x', created) .. '|' ..
+           string.format('%011x', ARGV[4]) ..
+           string.sub(v, n + 26, string.find(v, '|', n + 27, true)) .. ARGV[5], 'PX', ttl)
 return 1

@@ -17,9 +17,9 @@ local e = string.find(v, '|', d + 1, true)
 local f = string.find(v, '|', e + 1, true)
 local x = math.max(1, redis.call('PTTL', KEYS[1]))  -- times are offsets before the expiry
 -- recorded less than min_age ago: x - recorded > -min_age (no TIME needed)
-if x - tonumber(string.sub(v, c + 1, d - 1)) + tonumber(ARGV[3]) > 0 then return 0 end
-local left = x - tonumber(string.sub(v, d + 1, e - 1))  -- the dispatcher's lease, ms left
+if x - tonumber(string.sub(v, c + 1, d - 1), 16) + tonumber(ARGV[3]) > 0 then return 0 end
+local left = x - tonumber(string.sub(v, d + 1, e - 1), 16)  -- the dispatcher's lease, ms left
 if left > 0 and string.sub(v, b + 1, c - 1) ~= ARGV[1] then return {left} end
 redis.call('SET', KEYS[1], string.sub(v, 1, b) .. ARGV[1] .. '|' .. string.sub(v, c + 1, d) ..
-           (x - tonumber(ARGV[2])) .. string.sub(v, e), 'PX', x)
-return string.sub(v, f + 1, f + tonumber(string.sub(v, e + 1, f - 1)))
+           string.format('%x', math.max(0, x - tonumber(ARGV[2]))) .. string.sub(v, e), 'PX', x)
+return string.sub(v, f + 1, f + tonumber(string.sub(v, e + 1, f - 1), 16))
