@@ -133,6 +133,14 @@ def sending_record(
     return head if result is None else f"{head}|{result}"
 
 
+def kind_of(value: Any) -> str | None:
+    """A record's kind by a look at its first field only (for counting many), or None when
+    ``value`` cannot be a record of this layout."""
+    raw = value if isinstance(value, bytes) else str(value).encode("utf-8")
+    kind = raw[:1].decode("ascii", "replace")
+    return kind if kind in KINDS and b"|" in raw else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Fields:
     """A record read back: its kind and fields, times as offsets before the expiry (ms)."""
@@ -202,6 +210,7 @@ __all__ = [
     "SENDING",
     "Fields",
     "claim_record",
+    "kind_of",
     "mark_record",
     "packed_fp",
     "parse",

@@ -447,14 +447,12 @@ class RedisStore(Store):
             return
         pipe = self._client.pipeline(transaction=False)
         for name in names:
-            pipe.getrange(name, 0, 0)  # the kind: the record's first character
-        for kind in pipe.execute(raise_on_error=False):
-            if isinstance(kind, Exception):  # a foreign, non-string key under our prefix
-                continue
-            kind = text(kind)
+            pipe.get(name)
+        for value in pipe.execute(raise_on_error=False):
+            kind = None if isinstance(value, Exception) else layout.kind_of(value)
             if kind == layout.CLAIM:
                 counts["in_progress"] += 1
-            elif kind in layout.KINDS:
+            elif kind is not None:  # else a foreign key under our prefix
                 counts["completed"] += 1
 
     def records(self, key_prefix: str = "") -> Iterator[Record]:
