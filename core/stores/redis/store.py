@@ -3,7 +3,7 @@
 Each record is one Redis string at ``f"{prefix}:{key}"`` holding the packed record of
 :mod:`.layout` (kind, times as offsets before the key's expiry, packed fingerprint, owner,
 worker, result, pending sends). A completed eager record with its fingerprint is a string of
-27 bytes on the default key names. A worker's liveness record is the hash
+26 bytes on the default key names. A worker's liveness record is the hash
 ``f"{prefix}:~live:{worker}"`` with ``seen`` (last write, ms) and ``until`` (alive until, ms),
 kept by Redis for a while after it lapses.
 
