@@ -446,20 +446,24 @@ def measure_pairs(target: Target) -> tuple[list[list[str]], list[str]]:
 
 
 def redis_bytes(target: Target) -> str:
-    """MEMORY USAGE of completed keys (64-character fingerprint, no result), median of 200."""
+    """MEMORY USAGE of completed keys (the guard's fingerprint, no result), median of 200."""
+    from taskonce.keys import fingerprint
+
     store: Any = target.store
     usages, names = [], []
+    fp = fingerprint("bench.task", (1,), {})
     for key in fresh_keys(200):
-        store.claim(key, OWNER, LEASE, KEEP_FOR, FINGERPRINT)
+        store.claim(key, OWNER, LEASE, KEEP_FOR, fp)
         store.complete(key, OWNER, KEEP_FOR, None)
         names.append(f"{target.prefix}:{key}")  # a record lives at `<prefix>:<key>`
         usages.append(int(store.client.memory_usage(names[-1], samples=0)))
     encoding = store.client.object("encoding", names[0])
     encoding = encoding.decode() if isinstance(encoding, bytes) else encoding
+    size = int(store.client.strlen(names[0]))
     return (
         f"Redis: {int(statistics.median(usages))} bytes per completed key (MEMORY USAGE, median "
-        f"of {len(usages)} keys; {encoding} hash, key name {len(names[0])} characters, "
-        "64-character fingerprint, no result)"
+        f"of {len(usages)} keys; a {size}-byte {encoding} string, key name {len(names[0])} "
+        f"characters, the guard's {len(fp)}-digit fingerprint, no result)"
     )
 
 

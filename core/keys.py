@@ -67,9 +67,17 @@ def make_key(message_id: object, queue: object, identity: str) -> str:
     return key
 
 
-def fingerprint(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-    """A stable SHA-256 of task name, args and kwargs, serialised as canonical JSON.
+#: hex digits of a payload fingerprint (96 bits)
+FINGERPRINT_HEX = 24
 
+
+def fingerprint(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    """A stable digest of task name, args and kwargs, serialised as canonical JSON: the first
+    96 bits of their SHA-256, as 24 hex digits.
+
+    A payload check compares two payloads under one message id, so 96 bits are plenty (two
+    different ones would have to collide in them), and every remembered message carries one:
+    a full SHA-256 alone was twice the rest of a completed Redis record (docs/performance.md).
     Tuples and lists hash alike (brokers turn one into the other); dict key order does not
     matter. Arguments JSON cannot represent raise :class:`InvalidInput`.
     """
@@ -80,7 +88,7 @@ def fingerprint(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> st
             f"arguments of task {task!r} cannot be fingerprinted as JSON ({exc}); pass "
             "JSON-serialisable arguments or set check_payload=False for this task"
         ) from exc
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:FINGERPRINT_HEX]
 
 
 class _Tokens:

@@ -2,12 +2,13 @@
 
 A package of files with one job each:
 
-- :mod:`.store`: :class:`RedisStore`, the store contract on Redis (one script per operation);
+- :mod:`.store`: :class:`RedisStore`, the store contract on Redis (one round trip per operation);
+- :mod:`.layout`: the record, a packed string, and how it is read back;
 - :mod:`.scripts` and ``lua/``: the Lua scripts, one full file each, read once;
 - :mod:`.trips`: the transport, round trips shared by the threads of a process;
 - :mod:`.connecting`: URLs, Sentinel, Cluster and TLS set-up, the clients' fork safety;
 - :mod:`.names`: where records live (cluster buckets and their slot tags);
-- :mod:`.wire`: arguments and replies of the scripts, errors that mean "cannot answer".
+- :mod:`.wire`: durations and replies on the wire, errors that mean "cannot answer".
 """
 
 from __future__ import annotations

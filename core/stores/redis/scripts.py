@@ -1,15 +1,20 @@
 """The Redis store's Lua scripts: one full file each in ``lua/``, read once when this module is
 imported and registered once per client (:meth:`Scripts.register`).
 
-Every script begins with the same two lines: Redis < 5 needs effects replication switched on
-before a script may write after the non-deterministic ``TIME`` (later versions always do it:
-a no-op), and ``ms()`` writes a number of milliseconds as an integer. A script that writes a
-time into a record (a claim's lease end, a mark's creation) reads the server's clock with
-``TIME`` as ``now``, in milliseconds; an expiry is set relative to the server's clock
-(``PEXPIRE``), and a record past its expiry is absent for every script.
+Every script that writes begins by switching effects replication on: Redis < 5 needs it
+before a script may write after the non-deterministic ``TIME``, and a script that writes what
+it computed from ``PTTL`` must replicate that value, not run again on a replica whose clock
+differs (later versions always do it: a no-op). The record's times are offsets before its
+expiry (:mod:`.layout`), and the expiry is set relative to the server's clock (``PX``), so most
+scripts judge a lease or move a time with ``PTTL`` alone; ``TIME`` is read only where an
+absolute time leaves the server (a read's ``now``, the sends index's score). A record past its
+expiry is absent for every script.
 
-The hand-off variants (``complete_sends``, ``mark_sends``) are used only when the handler sent
-something: a task that sends nothing runs the plain scripts, with not one argument more.
+A new claim and a lazy mark without sends are not scripts: the client writes the packed record
+with one plain ``SET … NX PX`` (:meth:`~taskonce.stores.redis.store.RedisStore.claim`); only a
+claim that finds a record goes on to ``claim``. The hand-off variants (``complete_sends``,
+``mark_sends``) are used only when the handler sent something: a task that sends nothing runs
+the plain ones, with not one argument more.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ NAMES = (
     "complete_sends",
     "release",
     "renew",
-    "mark",
     "mark_sends",
     "get",
     "take_sends",
@@ -64,7 +68,6 @@ class Scripts:
     complete_sends: Script
     release: Script
     renew: Script
-    mark: Script
     mark_sends: Script
     get: Script
     take_sends: Script

@@ -1,23 +1,19 @@
-"""RedisStore: claims and marks in Redis, one Lua script (one round trip) per operation.
+"""RedisStore: claims and marks in Redis, one round trip per operation.
 
-Each record is one Redis hash at ``f"{prefix}:{key}"`` with the fields
+Each record is one Redis string at ``f"{prefix}:{key}"`` holding the packed record of
+:mod:`.layout` (kind, times as offsets before the key's expiry, packed fingerprint, owner,
+worker, result, pending sends). A completed eager record with its fingerprint is a string of
+26 bytes on the default key names. A worker's liveness record is the hash
+``f"{prefix}:~live:{worker}"`` with ``seen`` (last write, ms) and ``until`` (alive until, ms),
+kept by Redis for a while after it lapses.
 
-=========  ==================================================================================
-``st``     status: ``"i"`` (in progress, a claim) or ``"c"`` (completed, a mark)
-``ow``     owner token of a claim (absent on marks)
-``fp``     payload fingerprint (absent when None)
-``rs``     the handler's JSON result (absent when None)
-``ca``     created at, milliseconds since the epoch by the Redis clock
-``lu``     lease until, ms (claims; kept by a completion, so only a lazy mark lacks it)
-``wk``     the claim owner's worker identity (claims only; absent when not given)
-``sd``     deferred sends still to publish: a JSON array of the sends' JSON texts (status
-           ``"p"``: completed, sends pending; back to ``"c"`` once they are published)
-``sk``     their dispatch token; ``sa`` when they were recorded, ``sl`` a dispatcher's lease
-=========  ==================================================================================
-
-(the status codes: :class:`~taskonce.stores.redis.wire.Code`). A worker's liveness record is
-the hash ``f"{prefix}:~live:{worker}"`` with ``seen`` (last write, ms) and ``until`` (alive
-until, ms), kept by Redis for a while after it lapses.
+A new claim is one plain ``SET key <claim> NX PX <lease + keep>`` from the client: the packed
+claim carries its lease end and creation as offsets before the expiry that the server sets by
+its own clock, so nothing in it comes from the worker's clock. Only a claim that finds a record
+(``SET`` answers nil) goes on to the ``claim`` script, for the takeover of an expired claim,
+the payload check and the record found. A lazy mark without sends is likewise a plain ``SET …
+NX PX``. Every other write is a script that reads the record, checks the owner token (or the
+dispatch token) first (fencing) and writes it whole with a new ``PX``.
 
 Records with pending sends are also listed in one sorted set, ``f"{prefix}!sends"`` (score: when
 they were recorded), for the relay. The scripts that write sends touch it too (its name is an
@@ -25,19 +21,18 @@ argument), in the same atomic step as the record. On Redis Cluster (``redis+clus
 records and their indexes are spread over buckets with hash tags (:mod:`.names`); the relay
 reads the buckets' indexes in one pipeline per node.
 
-A record's expiry is the key's own (set with ``PEXPIRE``, relative to the Redis server's
-clock); a record past it is absent for every script, and a read reports it as ``expires_at``
-(``now`` + ``PTTL``). Records written before 0.1.0 by a layout that also kept it in an ``ex``
-field are read the same way (the field is ignored). Every decision is taken inside a Lua
-script (:mod:`.scripts`), and a script that writes a time into a record (a claim's lease end, a
-mark's creation) reads the clock with ``redis.call('TIME')``, so leases and retention are
-judged by the Redis server's clock, never by a worker's. Every script touches the one key it is
-given in ``KEYS`` and, for the hand-off, that key's sends index, in the same hash slot, so the
-store works on Redis Cluster and with replicas (effects replication).
-Redis deletes expired records itself, which is why :meth:`RedisStore.purge` has nothing to do.
+A record's expiry is the key's own (set with ``PX``, relative to the Redis server's clock); a
+record past it is absent for every script, and a read reports it as ``expires_at`` (``now`` +
+``PTTL``). Leases and retention are judged by the Redis server's clock, never by a worker's:
+a script tells whether a lease ran out from ``PTTL`` alone, and reads ``TIME`` where a time
+leaves the server. Every script touches the one key it is given in ``KEYS`` and, for the
+hand-off, that key's sends index, in the same hash slot, so the store works on Redis Cluster
+and with replicas (effects replication). Redis deletes expired records itself, which is why
+:meth:`RedisStore.purge` has nothing to do.
 
-The package's other modules: :mod:`.connecting` (URLs, Sentinel, Cluster, TLS; fork safety of
-the clients), :mod:`.trips` (the transport: round trips shared by a process's threads).
+The package's other modules: :mod:`.layout` (the record), :mod:`.scripts` (the Lua scripts),
+:mod:`.connecting` (URLs, Sentinel, Cluster, TLS; fork safety of the clients), :mod:`.trips`
+(the transport: round trips shared by a process's threads).
 """
 
 from __future__ import annotations
@@ -59,9 +54,11 @@ from taskonce.stores.base import (
     Record,
     Seen,
     SendLease,
+    Status,
     Store,
 )
 from taskonce.stores.options import own_value
+from taskonce.stores.redis import layout
 from taskonce.stores.redis.connecting import (
     DEFAULT_URL,
     SCHEMES,
@@ -72,12 +69,16 @@ from taskonce.stores.redis.connecting import (
     take_own_options,
     track_cluster,
 )
+from taskonce.stores.redis.layout import Fields, packed_fp, safe
 from taskonce.stores.redis.names import Names, glob_escape
 from taskonce.stores.redis.scripts import Scripts
-from taskonce.stores.redis.trips import OneTrip, SharedTrips
-from taskonce.stores.redis.wire import CODES, Code, cannot_answer, ms, optional, text
+from taskonce.stores.redis.trips import Command, OneTrip, SharedTrips
+from taskonce.stores.redis.wire import cannot_answer, ms, text
 
 logger = logging.getLogger("taskonce.stores.redis")
+
+#: a new claim or a lazy mark without sends: the client's own ``SET … NX PX``
+SET = Command("SET")
 
 T = TypeVar("T")
 
@@ -206,7 +207,7 @@ class RedisStore(Store):
                 self._unavailable(operation, key, exc)
             raise
 
-    def _run(self, operation: str, script: Script, key: str, args: Sequence[Any]) -> Any:
+    def _run(self, operation: str, script: Script | Command, key: str, args: Sequence[Any]) -> Any:
         # EVALSHA straight on the client (redis-py's Script.__call__ costs a measurable share
         # of a round trip), shared with other threads' calls when they coincide.
         call = self._trips.run(script, self._names.record(key), args)
@@ -219,30 +220,14 @@ class RedisStore(Store):
             self._unavailable(operation, key, exc)
         raise exc
 
-    def _record(self, key: str, reply: Sequence[Any]) -> Record:
+    def _record(self, key: str, reply: Sequence[Any]) -> Record | None:
         """The one translation of a stored record into a :class:`Record`: from the scripts'
-        ``{now, st, ow, fp, rs, ca, lu, ex[, wk[, sd]]}`` reply (a scan builds the same)."""
-        now = int(reply[0])
-        code = CODES[text(reply[1]) or ""]
-        sends = text(reply[9]) if len(reply) > 9 else None
-        lease_until = int(text(reply[6]) or 0)
-        remaining = 0.0
-        if code is Code.CLAIMED:
-            remaining = max(0, lease_until - now) / 1000.0
-        return Record(
-            key=key,
-            status=code.status,
-            owner=text(reply[2]),
-            fingerprint=text(reply[3]),
-            result=text(reply[4]),
-            created_at=int(text(reply[5]) or 0) / 1000.0,
-            expires_at=int(text(reply[7]) or 0) / 1000.0,
-            lease_remaining=remaining,
-            worker=text(reply[8]) if len(reply) > 8 else None,
-            marked=code is not Code.CLAIMED and not lease_until,  # a completion keeps 'lu'
-            sends_pending=code is Code.SENDING,
-            sends=tuple(json.loads(sends)) if sends else (),
-        )
+        ``{now, pttl, record}`` reply (a scan builds the same); None when it is no record of
+        this layout (a foreign key under the prefix)."""
+        fields = layout.parse(reply[2])
+        if fields is None:
+            return None
+        return _as_record(key, int(reply[0]), int(reply[1]), fields)
 
     # -- the Store contract ----------------------------------------------------------------------
 
@@ -258,20 +243,31 @@ class RedisStore(Store):
         """Atomically take ``key`` for ``owner`` (see
         :meth:`~taskonce.stores.base.StoreKeys.claim`).
 
-        One EVALSHA; a fresh claim or a takeover answers with a single integer, only "exists"
-        carries the record found.
+        A new key costs one plain ``SET … NX PX`` (the packed claim, :mod:`.layout`); a key
+        with a record, a second round trip: the ``claim`` script, which takes an expired claim
+        over or answers with the record found.
         """
-        args = (owner, ms(lease), ms(keep_for), *optional(fingerprint), worker or "")
-        reply = self._run("claim", self._scripts.claim, key, args)
+        ttl, keep = ms(lease) + ms(keep_for), ms(keep_for)
+        who, fp, wk = safe(owner), packed_fp(fingerprint), safe(worker)
+        record = layout.claim_record(who, ttl, keep, fp, wk)
+        if self._run("claim", SET, key, (record, "NX", "PX", ttl)):
+            return Claim(ClaimOutcome.CLAIMED)
+        reply = self._run("claim", self._scripts.claim, key, (who, ttl, keep, fp, wk))
         if isinstance(reply, list):
-            return Claim(ClaimOutcome.EXISTS, self._record(key, reply))
+            found = self._record(key, reply)
+            if found is None:  # as a script's WRONGTYPE would be: this call is wrong
+                raise redis.exceptions.ResponseError(
+                    f"Redis store {self._url}: key {key!r} holds a value that is not a taskonce "
+                    "record (another program's key under this store's prefix?)"
+                )
+            return Claim(ClaimOutcome.EXISTS, found)
         return Claim(ClaimOutcome.CLAIMED if int(reply) == 1 else ClaimOutcome.TAKEN_OVER)
 
     def take_over(
         self, key: str, old_owner: str, owner: str, lease: float, keep_for: float, worker: str
     ) -> bool:
         """Hand ``old_owner``'s live claim to ``owner`` (one EVALSHA, fenced by the old token)."""
-        args = (old_owner, owner, ms(lease), ms(keep_for), worker)
+        args = (safe(old_owner), safe(owner), ms(lease), ms(keep_for), safe(worker))
         return bool(int(self._run("take_over", self._scripts.take_over, key, args)))
 
     def beat(self, worker: str, ttl: float) -> None:
@@ -298,17 +294,15 @@ class RedisStore(Store):
     ) -> None:
         """Turn ``owner``'s claim into a mark kept ``keep_for`` seconds, with ``sends`` pending
         (same script); :class:`LeaseLost` if the claim is no longer ``owner``'s."""
-        args: tuple[Any, ...] = (owner, ms(keep_for), *optional(result))
+        keep = ms(keep_for)
         script = self._scripts.complete
+        args: tuple[Any, ...] = (safe(owner), keep, f"{keep:x}")
         if sends:
             script = self._scripts.complete_sends
-            args = (
-                *args,
-                self._names.index_of(key),
-                json.dumps(list(sends)),
-                key,
-                ms(dispatch_lease),
-            )
+            index = self._names.index_of(key)
+            args = (*args, index, json.dumps(list(sends)), key, ms(dispatch_lease))
+        if result is not None:
+            args = (*args, result)
         if not int(self._run("complete", script, key, args)):
             raise LeaseLost(key, "complete")
 
@@ -317,13 +311,13 @@ class RedisStore(Store):
         if owner is None:  # its pending sends go with it
             self._run("release", self._scripts.forget, key, (self._names.index_of(key), key))
             return
-        if not int(self._run("release", self._scripts.release, key, (owner,))):
+        if not int(self._run("release", self._scripts.release, key, (safe(owner),))):
             raise LeaseLost(key, "release")
 
     def renew(self, key: str, owner: str, lease: float) -> None:
         """Extend ``owner``'s lease to ``lease`` seconds from now by the Redis clock, pushing the
         key's expiry out by as much; :class:`LeaseLost` if the claim is no longer ``owner``'s."""
-        if not int(self._run("renew", self._scripts.renew, key, (owner, ms(lease)))):
+        if not int(self._run("renew", self._scripts.renew, key, (safe(owner), ms(lease)))):
             raise LeaseLost(key, "renew")
 
     def mark(
@@ -338,23 +332,26 @@ class RedisStore(Store):
     ) -> bool:
         """Record ``key`` as handled for ``keep_for`` seconds, with ``sends`` pending (same
         script); False when a live record exists."""
-        args: tuple[Any, ...] = (ms(keep_for), *optional(fingerprint), *optional(result))
-        script = self._scripts.mark
-        if sends:
-            script = self._scripts.mark_sends
-            args = (
-                *args,
-                self._names.index_of(key),
-                json.dumps(list(sends)),
-                key,
-                token,
-                ms(dispatch_lease),
-            )
-        return bool(int(self._run("mark", script, key, args)))
+        keep, fp = ms(keep_for), packed_fp(fingerprint)
+        if not sends:  # one plain SET … NX PX: nil when a live record exists
+            record = layout.mark_record(keep, fp, result)
+            return bool(self._run("mark", SET, key, (record, "NX", "PX", keep)))
+        record = layout.sending_record(
+            layout.MARKED_SENDING,
+            keep,
+            fp,
+            safe(token),
+            ms(dispatch_lease),
+            json.dumps(list(sends)),
+            result,
+        )
+        args = (record, keep, self._names.index_of(key), key)
+        return bool(int(self._run("mark", self._scripts.mark_sends, key, args)))
 
     def take_sends(self, key: str, token: str, lease: float, older_than: float = 0.0) -> SendLease:
         """Take the dispatch lease of ``key``'s pending sends (one script, Redis clock)."""
-        args = (token, ms(lease), round(older_than * 1000), self._names.index_of(key), key)
+        index = self._names.index_of(key)
+        args = (safe(token), ms(lease), round(older_than * 1000), index, key)
         reply = self._run("take_sends", self._scripts.take_sends, key, args)
         if isinstance(reply, list):
             return SendLease(retry_after=int(reply[0]) / 1000.0)
@@ -369,7 +366,7 @@ class RedisStore(Store):
                     "dispatched",
                     self._scripts.dispatched,
                     key,
-                    (token, self._names.index_of(key), key),
+                    (safe(token), self._names.index_of(key), key),
                 )
             )
         )
@@ -406,7 +403,7 @@ class RedisStore(Store):
     def get(self, key: str) -> Record | None:
         """The live record of ``key`` with ``lease_remaining`` by the Redis clock, or None."""
         reply = self._run("get", self._scripts.get, key, ())
-        return None if reply is None else self._record(key, reply)
+        return None if reply is None else self._record(key, reply)  # a foreign key: None
 
     def purge(self, batch: int = 1000) -> int:
         """Always 0: every record carries a Redis expiry (at its ``expires_at``),
@@ -450,31 +447,28 @@ class RedisStore(Store):
             return
         pipe = self._client.pipeline(transaction=False)
         for name in names:
-            pipe.hget(name, "st")
-        for status in pipe.execute(raise_on_error=False):
-            if isinstance(status, Exception):  # a foreign, non-hash key under our prefix
-                continue
-            code = Code.of(status)
-            if code is Code.CLAIMED:
+            pipe.get(name)
+        for value in pipe.execute(raise_on_error=False):
+            kind = None if isinstance(value, Exception) else layout.kind_of(value)
+            if kind == layout.CLAIM:
                 counts["in_progress"] += 1
-            elif code is not None:
+            elif kind is not None:  # else a foreign key under our prefix
                 counts["completed"] += 1
 
     def records(self, key_prefix: str = "") -> Iterator[Record]:
         """The live records of this prefix whose key starts with ``key_prefix``: ``SCAN MATCH``
-        (every master, on a cluster) and one pipelined ``HMGET`` per batch of 1000 keys, judged
-        by the Redis clock."""
+        (every master, on a cluster) and one pipelined ``GET`` and ``PTTL`` per batch of 1000
+        keys, judged by the Redis clock."""
         pattern = self._pattern(key_prefix)
-        fields = ("st", "ow", "fp", "rs", "ca", "lu")
 
         def batches() -> Iterator[list[Record]]:
             names: list[Any] = []
             for name in self._client.scan_iter(match=pattern, count=1000):
                 names.append(name)
                 if len(names) >= 1000:
-                    yield self._records_of(names, fields, key_prefix)
+                    yield self._records_of(names, key_prefix)
                     names = []
-            yield self._records_of(names, fields, key_prefix)
+            yield self._records_of(names, key_prefix)
 
         found = self._call("records", None, lambda: [r for b in batches() for r in b])
         return iter(found)
@@ -490,14 +484,11 @@ class RedisStore(Store):
                 names.append(name)
                 if len(names) >= limit:
                     break
-            records = self._records_of(names, ("st", "ow", "fp", "rs", "ca", "lu"), "")
-            return [record.key for record in records]
+            return [record.key for record in self._records_of(names, "")]
 
         return self._call("keys_ending", None, find)
 
-    def _records_of(
-        self, names: list[Any], fields: tuple[str, ...], key_prefix: str
-    ) -> list[Record]:
+    def _records_of(self, names: list[Any], key_prefix: str) -> list[Record]:
         if not names:
             return []
         pipe = self._client.pipeline(transaction=False)
@@ -507,7 +498,7 @@ class RedisStore(Store):
         else:
             pipe.time()
         for name in names:
-            pipe.hmget(name, fields)
+            pipe.get(name)
             pipe.pttl(name)  # the record's expiry is the key's own
         replies = pipe.execute(raise_on_error=False)
         if not self._cluster:
@@ -515,14 +506,15 @@ class RedisStore(Store):
         now = int(seconds) * 1000 + int(micros) // 1000
         found = []
         for i, name in enumerate(names):
-            values, ttl = replies[2 * i], replies[2 * i + 1]
-            if isinstance(values, Exception) or Code.of(values[0]) is None:
-                continue  # gone meanwhile, or a foreign key under our prefix
-            if isinstance(ttl, Exception) or int(ttl) < 0:
-                continue  # expired meanwhile (-2), or not a record of this store (-1)
+            value, ttl = replies[2 * i], replies[2 * i + 1]
+            if isinstance(value, Exception) or isinstance(ttl, Exception) or int(ttl) < 0:
+                continue  # a foreign key, gone meanwhile (-2), or without expiry (-1)
             key = self._names.key_of(text(name) or "")
-            if key.startswith(key_prefix):
-                found.append(self._record(key, [now, *values, str(now + int(ttl))]))
+            if not key.startswith(key_prefix):
+                continue
+            record = self._record(key, (now, ttl, value))
+            if record is not None:  # else a foreign string under our prefix
+                found.append(record)
         return found
 
     def close(self) -> None:
@@ -535,6 +527,28 @@ class RedisStore(Store):
     def describe(self) -> str:
         """``RedisStore <url without password> prefix=<prefix>``."""
         return f"RedisStore {self._url} prefix={self._prefix}"
+
+
+def _as_record(key: str, now: int, pttl: int, fields: Fields) -> Record:
+    """A parsed record as the contract's :class:`Record`, its times made absolute by the Redis
+    clock's ``now`` and the key's ``pttl`` (the layout keeps them as offsets before the
+    expiry)."""
+    expires = now + pttl
+    claimed = fields.kind == layout.CLAIM
+    return Record(
+        key=key,
+        status=Status.IN_PROGRESS if claimed else Status.COMPLETED,
+        owner=fields.owner,
+        fingerprint=fields.fingerprint,
+        result=fields.result,
+        created_at=(expires - fields.created) / 1000.0,
+        expires_at=expires / 1000.0,
+        lease_remaining=max(0, pttl - fields.lease) / 1000.0 if claimed else 0.0,
+        worker=fields.worker,
+        marked=fields.kind in (layout.MARKED, layout.MARKED_SENDING),
+        sends_pending=fields.kind in (layout.SENDING, layout.MARKED_SENDING),
+        sends=fields.sends,
+    )
 
 
 def _check_options(prefix: object, socket_timeout: object) -> None:

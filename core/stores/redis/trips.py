@@ -31,8 +31,30 @@ from taskonce.stores.redis.wire import cannot_answer
 _PACK_COMMAND: Callable[[tuple[Any, ...]], bytes] | None = getattr(_hiredis, "pack_command", None)
 
 
+class Command:
+    """A plain command the store sends the way it sends its scripts (``SET`` for a new claim
+    or mark: cheaper on the server than any script): ``(name, key, *args)`` instead of
+    ``EVALSHA``. Shaped like a registered ``Script`` where the transport looks (``sha``) so
+    both share one queue; a plain command is never a read (a ``WAIT`` follows it) and is
+    never reloaded."""
+
+    __slots__ = ("name", "sha")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.sha = ""
+
+
+def command_of(script: Script | Command, name: str, args: Sequence[Any]) -> tuple[Any, ...]:
+    """What goes over the wire for one call."""
+    if isinstance(script, Command):
+        return (script.name, name, *args)
+    return ("EVALSHA", script.sha, 1, name, *args)
+
+
 class Call:
-    """One caller's script and, once its round trip is back, its reply or error."""
+    """One caller's script (or plain command) and, once its round trip is back, its reply or
+    error."""
 
     __slots__ = (
         "answered",
@@ -49,7 +71,7 @@ class Call:
         "successor",
     )
 
-    def __init__(self, script: Script, name: str, args: Sequence[Any]) -> None:
+    def __init__(self, script: Script | Command, name: str, args: Sequence[Any]) -> None:
         self.script = script
         self.name = name
         self.args = args
@@ -119,7 +141,7 @@ class SharedTrips:
         self._conn: Any = None
         self._pack: Callable[[Any, tuple[Any, ...]], list[bytes]] = _redis_py_pack
 
-    def run(self, script: Script, name: str, args: Sequence[Any]) -> Call:
+    def run(self, script: Script | Command, name: str, args: Sequence[Any]) -> Call:
         """Run ``script`` on key ``name``; the returned call holds its reply or its error."""
         call = Call(script, name, args)
         try:
@@ -160,7 +182,7 @@ class SharedTrips:
             return
         pipe = self._client.pipeline(transaction=False)
         for call in batch:
-            pipe.evalsha(call.script.sha, 1, call.name, *call.args)
+            pipe.execute_command(*command_of(call.script, call.name, call.args))  # type: ignore[no-untyped-call]
         if waits:
             assert self._wait is not None
             pipe.wait(*self._wait)
@@ -207,6 +229,7 @@ class SharedTrips:
         wanted, timeout_ms = self._wait
         for call, reply in zip(batch, replies, strict=True):
             if isinstance(reply, redis.exceptions.NoScriptError) and not loaded:
+                assert isinstance(call.script, Script)
                 self._client.script_load(call.script.script)  # after a restart or SCRIPT FLUSH
                 self._send([call], loaded=True)
             elif isinstance(reply, BaseException):
@@ -222,8 +245,10 @@ class SharedTrips:
             return
         try:
             try:
-                reply = self._client.evalsha(call.script.sha, 1, call.name, *call.args)
+                command = command_of(call.script, call.name, call.args)
+                reply = self._client.execute_command(*command)  # type: ignore[no-untyped-call]
             except redis.exceptions.NoScriptError:
+                assert isinstance(call.script, Script)
                 reply = call.script(keys=[call.name], args=list(call.args))
         except Exception as exc:
             call.answer(error=exc)
@@ -249,7 +274,7 @@ class SharedTrips:
             if conn is None:
                 conn = self._conn = self._client.connection_pool.get_connection()
                 self._pack = _fast_packer(conn)
-            packed = self._pack(conn, ("EVALSHA", call.script.sha, 1, call.name, *call.args))
+            packed = self._pack(conn, command_of(call.script, call.name, call.args))
 
             def attempt() -> Any:
                 conn.send_packed_command(packed)
@@ -258,6 +283,7 @@ class SharedTrips:
             reply = conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
         except redis.exceptions.NoScriptError:
             try:  # Script.__call__ loads it (after a restart or SCRIPT FLUSH)
+                assert isinstance(call.script, Script)
                 reply = call.script(keys=[call.name], args=list(call.args))
             except Exception as exc:
                 call.answer(error=exc)
@@ -284,9 +310,7 @@ class SharedTrips:
             packed: list[bytes] = []
             for call in batch:
                 try:
-                    packed += self._pack(
-                        conn, ("EVALSHA", call.script.sha, 1, call.name, *call.args)
-                    )
+                    packed += self._pack(conn, command_of(call.script, call.name, call.args))
                 except (redis.exceptions.DataError, UnicodeError) as exc:
                     call.answer(error=exc)
                     continue
@@ -411,12 +435,13 @@ class OneTrip:
     def __init__(self, client: Any) -> None:
         self._client = client
 
-    def run(self, script: Script, name: str, args: Sequence[Any]) -> Call:
+    def run(self, script: Script | Command, name: str, args: Sequence[Any]) -> Call:
         call = Call(script, name, args)
         try:
             try:
-                reply = self._client.evalsha(script.sha, 1, name, *args)
+                reply = self._client.execute_command(*command_of(script, name, args))
             except redis.exceptions.NoScriptError:
+                assert isinstance(script, Script)
                 reply = script(keys=[name], args=list(args))
         except Exception as exc:
             call.answer(error=exc)
@@ -472,4 +497,4 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-__all__ = ["Call", "NotReplicated", "OneTrip", "SharedTrips"]
+__all__ = ["Call", "Command", "NotReplicated", "OneTrip", "SharedTrips", "command_of"]

@@ -1,13 +1,11 @@
-"""What goes over the wire to the Redis store's scripts and back: arguments encoded, replies
-decoded, the record's status field as an enum, and which errors mean "Redis cannot answer"."""
+"""What goes over the wire to the Redis store and back: durations as milliseconds, reply items
+as text, and which errors mean "Redis cannot answer". (The record itself: :mod:`.layout`.)"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import redis.exceptions
-
-from taskonce.stores.base import Status, StrEnum
 
 # Errors that mean "Redis cannot answer right now" rather than "this call is wrong". Connection
 # errors include timeouts of the connect, authentication failures, BusyLoadingError and
@@ -22,31 +20,6 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
     redis.exceptions.TryAgainError,
     redis.exceptions.ChildDeadlockedError,
 )
-
-
-class Code(StrEnum):
-    """A record's ``st`` field, as the scripts write it."""
-
-    #: a claim (in progress)
-    CLAIMED = "i"
-    #: completed: an eager claim's completion or a lazy mark
-    COMPLETED = "c"
-    #: completed, its deferred sends not all published yet (the hand-off)
-    SENDING = "p"
-
-    @property
-    def status(self) -> Status:
-        """The :class:`~taskonce.stores.base.Status` a record with this field has."""
-        return Status.IN_PROGRESS if self is Code.CLAIMED else Status.COMPLETED
-
-    @staticmethod
-    def of(value: Any) -> Code | None:
-        """The code of a reply item, or None when it is none of them (a foreign key)."""
-        return CODES.get(text(value) or "")
-
-
-#: each code by its value: a dict lookup, cheaper than ``Code(value)`` on the hot path
-CODES: dict[str, Code] = {code.value: code for code in Code}
 
 
 def cannot_answer(exc: BaseException) -> bool:
@@ -75,9 +48,4 @@ def ms(seconds: float) -> int:
     return value
 
 
-def optional(value: str | None) -> tuple[str, str]:
-    """An optional string as the (present flag, value) pair the scripts take."""
-    return ("0", "") if value is None else ("1", value)
-
-
-__all__ = ["CODES", "UNAVAILABLE", "Code", "cannot_answer", "ms", "optional", "text"]
+__all__ = ["UNAVAILABLE", "cannot_answer", "ms", "text"]

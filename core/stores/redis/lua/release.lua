@@ -1,10 +1,9 @@
 -- Delete the owner's claim so a retry can claim again (fenced, as in complete.lua).
 -- KEYS[1] record; ARGV owner. Reply: 1 deleted, 0 not the owner's.
-if redis.replicate_commands then redis.replicate_commands() end
-local function ms(x) return string.format('%.0f', x) end
 
-local h = redis.call('HMGET', KEYS[1], 'st', 'ow', 'lu')
-if h[1] ~= 'i' or h[2] ~= ARGV[1] then return 0 end
-
+local v = redis.call('GET', KEYS[1])
+local n = #ARGV[1]
+if not v or string.byte(v) ~= 105 or string.byte(v, n + 2) ~= 124
+    or string.find(v, ARGV[1], 2, true) ~= 2 then return 0 end
 redis.call('DEL', KEYS[1])
 return 1

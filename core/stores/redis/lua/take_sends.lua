@@ -4,12 +4,22 @@
 -- Reply: 0 nothing to take (none pending, or too young), {ms} another dispatcher's lease has
 -- ms left, or the sends JSON.
 if redis.replicate_commands then redis.replicate_commands() end
-local function ms(x) return string.format('%.0f', x) end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local h = redis.call('HMGET', KEYS[1], 'st', 'sa', 'sl', 'sd', 'sk')
-if h[1] ~= 'p' then redis.call('ZREM', ARGV[4], ARGV[5]) return 0 end
-if tonumber(h[2]) > now - tonumber(ARGV[3]) then return 0 end
-if h[3] and tonumber(h[3]) > now and h[5] ~= ARGV[1] then return {tonumber(h[3]) - now} end
-redis.call('HSET', KEYS[1], 'sk', ARGV[1], 'sl', ms(now + tonumber(ARGV[2])))
-return h[4]
+
+local v = redis.call('GET', KEYS[1])
+local kind = v and string.sub(v, 1, 1)
+if kind ~= 'p' and kind ~= 'q' then redis.call('ZREM', ARGV[4], ARGV[5]) return 0 end
+-- p<created>|<fp>|<token>|<recorded>|<dispatch>|<n>|<sends>[|<result>]
+local a = string.find(v, '|', 2, true)
+local b = string.find(v, '|', a + 1, true)
+local c = string.find(v, '|', b + 1, true)
+local d = string.find(v, '|', c + 1, true)
+local e = string.find(v, '|', d + 1, true)
+local f = string.find(v, '|', e + 1, true)
+local x = math.max(1, redis.call('PTTL', KEYS[1]))  -- times are offsets before the expiry
+-- recorded less than min_age ago: x - recorded > -min_age (no TIME needed)
+if x - tonumber(string.sub(v, c + 1, d - 1), 16) + tonumber(ARGV[3]) > 0 then return 0 end
+local left = x - tonumber(string.sub(v, d + 1, e - 1), 16)  -- the dispatcher's lease, ms left
+if left > 0 and string.sub(v, b + 1, c - 1) ~= ARGV[1] then return {left} end
+redis.call('SET', KEYS[1], string.sub(v, 1, b) .. ARGV[1] .. '|' .. string.sub(v, c + 1, d) ..
+           string.format('%x', math.max(0, x - tonumber(ARGV[2]))) .. string.sub(v, e), 'PX', x)
+return string.sub(v, f + 1, f + tonumber(string.sub(v, e + 1, f - 1), 16))
