@@ -223,28 +223,33 @@ def purge_at_scale(rows: int) -> tuple[list[tuple[str, str]], str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=20_000)
-    parser.add_argument("--purge-rows", type=int, default=1_000_000)
+    parser.add_argument("--purge-rows", type=int, default=1_000_000, help="0: no purge")
     parser.add_argument("--families", default="postgresql,mariadb,sqlite")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
     import tempfile
 
-    load_start = h.loadavg()
-    text = ""
-    with tempfile.TemporaryDirectory() as tmp:
-        rows: list[tuple[str, ...]] = []
-        for family in args.families.split(","):
-            for layout in ("before", "after"):
-                rows += bytes_per_row(family, args.rows, Path(tmp), layout)
+    command = h.command_line("bench/sql_rows.py")
+    if args.rows:
+        load_start = h.loadavg()
+        with tempfile.TemporaryDirectory() as tmp:
+            rows: list[tuple[str, ...]] = []
+            for family in args.families.split(","):
+                for layout in ("before", "after"):
+                    rows += bytes_per_row(family, args.rows, Path(tmp), layout)
         header = ("store", "layout", "bytes per row", "table and each index, per row")
-        text += h.table(header, rows, "llrl")
+        text = h.table(header, rows, "llrl") + "\n\n" + h.measured_line(command, load_start)
+        print(text)
+        if args.write_docs:
+            h.write_block("sql-rows", text)
     if args.purge_rows:
+        load_start = h.loadavg()
         purge, _ = purge_at_scale(args.purge_rows)
-        text += "\n\n" + h.table(("taskonce purge, PostgreSQL", "measured"), purge, "lr")
-    text += "\n\n" + h.measured_line(h.command_line("bench/sql_rows.py"), load_start)
-    print(text)
-    if args.write_docs:
-        h.write_block("sql-rows", text)
+        text = h.table(("taskonce purge, PostgreSQL", "measured"), purge, "lr")
+        text += "\n\n" + h.measured_line(command, load_start)
+        print(text)
+        if args.write_docs:
+            h.write_block("sql-purge", text)
 
 
 if __name__ == "__main__":
