@@ -14,7 +14,7 @@ import pytest
 from taskonce.errors import ConfigError
 from taskonce.policy import Policy
 from tests.django.ops_fixtures import db_name, django, project_store, settings_module
-from tests.helpers import require_service
+from tests.helpers import require_service, wait_for
 
 UNREACHABLE_REDIS = "redis://127.0.0.1:1/0"  # port 1: nothing listens
 PROJECT = {"STORE": "django://default", "DEFAULT": {"mode": "eager", "transactional": True}}
@@ -205,23 +205,29 @@ def test_w004_an_unreachable_store_warns_within_the_timeout() -> None:
     assert threading.active_count() == before
 
 
-def _connections_to_this_database() -> int:
+def _connections_to(database: str) -> int:
     from django.db import connections
 
     with connections["default"].cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s", [database])
         return int(cursor.fetchone()[0])
 
 
 def test_reachable_stores_pass_and_leave_no_thread_or_connection() -> None:
+    """The probe's store is on a database of its own, so no other test's connection (a guard's
+    thread, a worker of an earlier module) is counted with it."""
     require_service("redis")
+    from tests.django_project.databases import _create
+
+    probed = f"{db_name()}_checks"
+    _create("default", probed)
     before_threads = threading.active_count()
-    before = _connections_to_this_database()
-    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{db_name()}"
+    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{probed}"
     assert run(TASKONCE={"STORE": url}) == []
     assert run(TASKONCE={"STORE": "redis://127.0.0.1:6379/15"}) == []
     assert run(TASKONCE={"STORE": "memory://"}) == []
-    assert _connections_to_this_database() == before
+    # a closed connection's server process leaves pg_stat_activity a moment after it
+    wait_for(lambda: _connections_to(probed) == 0, timeout=5, what="the probe's connection gone")
     assert threading.active_count() == before_threads
 
 
