@@ -15,10 +15,10 @@ import logging
 import secrets
 from collections.abc import Callable, Iterable, Sequence
 
-from taskonce import handoff
+from taskonce import handoff, receipts
 from taskonce.errors import ConfigError, StoreUnavailable
 from taskonce.events import Event, Sinks, make_event
-from taskonce.handoff import Publisher, Send
+from taskonce.handoff import Publisher, Receipt, Send
 from taskonce.outbox import OUTBOX_PREFIX, outbox_event
 from taskonce.stores.base import Store
 
@@ -87,12 +87,15 @@ class Dispatcher:
         """Publish ``texts`` in order, then mark them dispatched (fenced by ``token``). False
         when a publish failed or the mark was refused: they stay pending for a redelivery or
         the relay (the children's ids are fixed, so their guard drops a second copy).
-        ``on_store_error`` is called when the mark could not reach the store."""
-        if not self.publish_all(key, texts):
+        ``on_store_error`` is called when the mark could not reach the store. Sends whose
+        receivers are guarded on this store await their receipts (:mod:`taskonce.receipts`),
+        written with the mark."""
+        published = self.publish_all(key, texts)
+        if published is None:
             self.let_go(((key, token),))
             return False
         try:
-            return self.store.dispatched(key, token)
+            return self.store.dispatched(key, token, receipts.awaiting(texts, published))
         except StoreUnavailable:
             logger.warning(
                 "sends of %s were published but not marked dispatched; they may be published "
@@ -103,9 +106,11 @@ class Dispatcher:
                 on_store_error()
             return False
 
-    def publish_all(self, key: str, texts: Sequence[str]) -> bool:
-        """Publish ``texts`` in order through their frameworks' publishers; False at the
-        first one that fails (the rest are not tried: order is kept)."""
+    def publish_all(self, key: str, texts: Sequence[str]) -> list[Receipt | None] | None:
+        """Publish ``texts`` in order through their frameworks' publishers: each one's
+        :class:`~taskonce.handoff.Receipt` (None where nothing is awaited); None at the first
+        one that fails (the rest are not tried: order is kept)."""
+        found: list[Receipt | None] = []
         with handoff.send_now():  # a publisher must not be captured by an enclosing handler
             for text in texts:
                 send = Send.from_json(text)
@@ -117,9 +122,9 @@ class Dispatcher:
                         key,
                         len(texts),
                     )
-                    return False
+                    return None
                 try:
-                    publish(send)
+                    found.append(publish(send))
                 except Exception as exc:
                     logger.warning(
                         "publishing deferred send %s of %s failed (%s: %s); it stays pending for "
@@ -129,8 +134,8 @@ class Dispatcher:
                         type(exc).__name__,
                         exc,
                     )
-                    return False
-        return True
+                    return None
+        return found
 
     def let_go(self, leases: Iterable[tuple[str, str]]) -> None:
         """Release these ``(key, token)`` dispatch leases of sends not published, so that the
@@ -162,16 +167,24 @@ class Dispatcher:
             return 0, min(lease.retry_after, REDISPATCH_RETRY)
         return 0, 0.0
 
-    def outbox_event(self, name: Event, key: str, texts: Sequence[str]) -> None:
+    def outbox_event(
+        self, name: Event, key: str, texts: Sequence[str], reason: str | None = None
+    ) -> None:
         """An event of the producer outbox's record ``key``
         (:func:`~taskonce.outbox.outbox_event`)."""
-        outbox_event(self.sinks, name, key, texts, self.lease, self.keep_for)
+        outbox_event(self.sinks, name, key, texts, self.lease, self.keep_for, reason)
 
     def relay(self, older_than: float = 10.0, batch: int = 100) -> int:
-        """Publish the deferred sends left pending for at least ``older_than`` seconds; how many
-        records this call dispatched (:meth:`taskonce.Guard.relay`)."""
+        """Publish the deferred sends left pending for at least ``older_than`` seconds, and look
+        for the receipts that are due (:func:`taskonce.receipts.look`): one store round trip
+        when there is nothing to do. How many records this call dispatched or re-sent from
+        (:meth:`taskonce.Guard.relay`)."""
+        due = self.store.due_for_relay(older_than, batch)
         dispatched = 0
-        for key in self.store.pending_sends(older_than, batch):
+        for key in due.receipts:
+            if receipts.look(self, key):
+                dispatched += 1
+        for key in due.sends:
             token = secrets.token_hex(16)
             lease = self.store.take_sends(key, token, self.lease, older_than)
             if not lease.sends:

@@ -41,6 +41,7 @@ class Event(str, enum.Enum):
     SENDS_DISPATCHED = "sends_dispatched"
     SENDS_REDISPATCHED = "sends_redispatched"
     SENDS_DISCARDED = "sends_discarded"
+    SEND_UNCONFIRMED = "send_unconfirmed"
 
     def __str__(self) -> str:
         return self.value
@@ -74,7 +75,14 @@ FIELDS = (
 
 # store_error is not among them: an outage is logged once per change (taskonce.outage), not
 # once per delivery; the event still reaches every sink.
-_WARNING_EVENTS = frozenset({Event.LEASE_LOST, Event.CONCURRENT_DUPLICATE, Event.PAYLOAD_MISMATCH})
+_WARNING_EVENTS = frozenset(
+    {
+        Event.LEASE_LOST,
+        Event.CONCURRENT_DUPLICATE,
+        Event.PAYLOAD_MISMATCH,
+        Event.SEND_UNCONFIRMED,
+    }
+)
 _INFO_EVENTS = frozenset(
     {
         Event.DUPLICATE_SKIPPED,

@@ -395,7 +395,7 @@ class Guard:
             if sends and ticket._session is None:
                 # Its effects stand, its outcome unrecorded: its messages leave now, best
                 # effort (a redelivery that runs it again sends them under the same ids).
-                recorded = self.dispatcher.publish_all(key, sends)
+                recorded = self.dispatcher.publish_all(key, sends) is not None
                 if recorded:
                     self._emit(Event.SENDS_DISPATCHED, ticket, count=len(sends))
             raise

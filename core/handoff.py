@@ -39,29 +39,52 @@ class Send:
     :param id: the message id, fixed at capture (the caller's, else :func:`derive_id`).
     :param framework: ``"celery"``, ``"dramatiq"`` or ``"python"``: whose publisher sends it.
     :param body: what that framework's publisher needs to publish it (JSON-safe).
+    :param within: the sender's ``Policy.confirm_within``: seconds to wait for the receiver's
+        receipt after the publish (0: none awaited).
     """
 
     id: str
     framework: str
     body: dict[str, Any]
+    within: float = 0.0
 
     def to_json(self) -> str:
         """Compact JSON text of this send (what the stores keep)."""
-        return json.dumps(
-            {"id": self.id, "framework": self.framework, "body": self.body},
-            separators=(",", ":"),
-            allow_nan=False,
-        )
+        data: dict[str, Any] = {"id": self.id, "framework": self.framework, "body": self.body}
+        if self.within:
+            data["within"] = self.within
+        return json.dumps(data, separators=(",", ":"), allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str) -> Send:
         """The send whose :meth:`to_json` is ``text``."""
         data = json.loads(text)
-        return cls(id=data["id"], framework=data["framework"], body=data["body"])
+        return cls(
+            id=data["id"],
+            framework=data["framework"],
+            body=data["body"],
+            within=float(data.get("within") or 0.0),
+        )
 
 
-Publisher = Callable[[Send], None]
-"""Publishes one :class:`Send` (with its id); raises on failure."""
+@dataclasses.dataclass(frozen=True)
+class Receipt:
+    """Where the receipt of a published send will show: the key its receiver's guard claims or
+    marks, in the same store (:mod:`taskonce.receipts`).
+
+    :param key: the receiver's key for this send (its queue and id, by the receiver's policy).
+    :param keep_for: the receiver's ``keep_for``: how long that record stays to be seen.
+    :param after: seconds from the publish until the send's ETA (countdown, delay), else 0.
+    """
+
+    key: str
+    keep_for: float
+    after: float = 0.0
+
+
+Publisher = Callable[[Send], "Receipt | None"]
+"""Publishes one :class:`Send` (with its id); raises on failure. Returns the send's
+:class:`Receipt` when its receiver is guarded on the same store, else None (nothing to await)."""
 
 
 def derive_id(parent_key: str, ordinal: int) -> str:
@@ -76,14 +99,22 @@ class Capture:
     :param parent_key: the guarded delivery's key (child ids derive from it).
     :param task: the handler's task/actor name, for error messages.
     :param limit: the most bytes of JSON this handler may capture.
+    :param within: the handler's ``Policy.confirm_within``, given to each send.
     """
 
-    __slots__ = ("limit", "parent_key", "sends", "size", "task", "texts")
+    __slots__ = ("limit", "parent_key", "sends", "size", "task", "texts", "within")
 
-    def __init__(self, parent_key: str, task: str = "", limit: int = DEFAULT_SEND_LIMIT) -> None:
+    def __init__(
+        self,
+        parent_key: str,
+        task: str = "",
+        limit: int = DEFAULT_SEND_LIMIT,
+        within: float = 0.0,
+    ) -> None:
         self.parent_key = parent_key
         self.task = task
         self.limit = limit
+        self.within = within
         self.sends: list[Send] = []
         #: the stored form of ``sends``, encoded once at :meth:`add`
         self.texts: list[str] = []
@@ -114,7 +145,7 @@ class Capture:
         send_id = (
             message_id if message_id is not None else derive_id(self.parent_key, len(self.sends))
         )
-        send = Send(send_id, framework, body)
+        send = Send(send_id, framework, body, self.within)
         target = name or str(body.get("task") or body.get("actor_name") or "?")
         try:
             text = send.to_json()
@@ -176,7 +207,9 @@ def start_capture(ticket: Ticket, send_limit: int) -> None:
     inside another guarded handler with ``defer_sends=False``, publish at once instead."""
     assert ticket.key is not None
     if ticket.policy.defer_sends:
-        ticket.capture = Capture(ticket.key, ticket.delivery.task, send_limit)
+        ticket.capture = Capture(
+            ticket.key, ticket.delivery.task, send_limit, ticket.policy.confirm_within
+        )
         ticket._capture_token = _capture.set(ticket.capture)
     elif _capture.get() is not None:
         ticket._capture_token = _capture.set(None)
@@ -250,6 +283,7 @@ __all__ = [
     "DEFAULT_SEND_LIMIT",
     "Capture",
     "Publisher",
+    "Receipt",
     "Send",
     "capturing",
     "current",

@@ -75,6 +75,7 @@ def outbox_event(
     texts: Sequence[str],
     lease_s: float,
     keep_for_s: float,
+    reason: str | None = None,
 ) -> None:
     """A producer's event: no incoming message, so ``key`` is None; ``message_id`` names the
     outbox record, ``framework`` the sends' framework (one event per framework)."""
@@ -93,6 +94,7 @@ def outbox_event(
                 lease_s=lease_s,
                 keep_for_s=keep_for_s,
                 count=count,
+                reason=reason,
             )
         )
 
@@ -194,7 +196,12 @@ class _OutboxCapture(Capture):
     __slots__ = ("_write",)
 
     def __init__(self, guard: Guard, write: Any) -> None:
-        super().__init__(f"{OUTBOX_PREFIX}{uuid.uuid4().hex}", "", guard.send_limit)
+        super().__init__(
+            f"{OUTBOX_PREFIX}{uuid.uuid4().hex}",
+            "",
+            guard.send_limit,
+            guard.default.confirm_within,
+        )
         self._write = write
 
     def add(

@@ -31,6 +31,20 @@ _FLAGS = (
 )
 _SECONDS = ("lease", "keep_for")
 
+#: A receipt is looked for until this many ``confirm_within`` after the publish: the first look
+#: after 1, then (each time the send is published again) 2, 4 and 8 more (:mod:`taskonce.receipts`).
+RECEIPT_WINDOW = 15.0
+
+#: ``Policy.confirm_within``'s default, seconds.
+CONFIRM_WITHIN = 300.0
+
+
+class _Default(float):
+    """``confirm_within`` left at its default: receipts are then simply not awaited for a
+    receiver whose ``keep_for`` is too short, where a value set by hand is a ConfigError."""
+
+    __slots__ = ()
+
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
@@ -60,6 +74,12 @@ class Policy:
         constraint at commit: a first delivery costs no store round trip beyond its own
         transaction, and a duplicate runs, is rolled back and is reported as a duplicate.
         Default True.
+    :param confirm_within: seconds after a deferred send's publish (or its ETA) within which its
+        receiver's guard must have claimed or marked it; without that receipt the relay
+        publishes it again under the same id, at most three times with back-off, then reports
+        it (``send_unconfirmed``). Only for receivers guarded on the same store and known in
+        the sending process. 0 turns receipts off for this queue's sends. Default 300. A value
+        whose receipt window (15 × it) does not fit in half of ``keep_for`` is refused.
     """
 
     mode: Mode = "eager"
@@ -74,6 +94,7 @@ class Policy:
     enabled: bool = True
     defer_sends: bool = True
     check_first: bool = True
+    confirm_within: float = _Default(CONFIRM_WITHIN)
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -95,6 +116,7 @@ class Policy:
                     f"Policy.{name}={value!r} is not valid; it must be a positive number of seconds"
                 )
             object.__setattr__(self, name, float(value))
+        self._check_confirm_within()
         if not self.check_first and (self.mode != "lazy" or not self.transactional):
             # Without the pre-check only the transaction's rollback stops a duplicate's effect:
             # eager claims first by design, and a lazy mark outside a transaction comes too late.
@@ -103,6 +125,28 @@ class Policy:
                 f"mode={self.mode!r}, transactional={self.transactional!r}): without the "
                 "pre-check only the handler's transaction, rolled back at the key's unique "
                 "constraint, stops a duplicate"
+            )
+
+    def _check_confirm_within(self) -> None:
+        value = self.confirm_within
+        if isinstance(value, _Default):
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"Policy.confirm_within={value!r} is not valid; it must be seconds")
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(
+                f"Policy.confirm_within={value!r} is not valid; it must be 0 (no receipts) or a "
+                "positive number of seconds"
+            )
+        object.__setattr__(self, "confirm_within", float(value))
+        window = RECEIPT_WINDOW * value
+        if value and window > self.keep_for / 2:
+            raise ConfigError(
+                f"Policy.confirm_within={value:g} does not fit keep_for={self.keep_for:g}: a "
+                f"receipt is looked for up to {RECEIPT_WINDOW:g} × confirm_within = {window:g} s "
+                "after the publish, and the receiver's record must outlive that by far (half of "
+                "keep_for at most); lower confirm_within, raise keep_for, or set "
+                "confirm_within=0 (no receipts)"
             )
 
     def replace(self, **changes: Any) -> Policy:

@@ -54,6 +54,10 @@ STORE_OPERATIONS = (
     "take_sends",
     "dispatched",
     "pending_sends",
+    "take_receipts",
+    "settle_receipts",
+    "have_records",
+    "due_for_relay",
 )
 #: Store calls take from a fraction of a millisecond (one Redis script) to seconds (a timeout).
 STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -63,6 +67,7 @@ _SENDS: dict[str, str] = {
     Event.SENDS_DISPATCHED: "dispatched",
     Event.SENDS_REDISPATCHED: "redispatched",
     Event.SENDS_DISCARDED: "discarded",
+    Event.SEND_UNCONFIRMED: "unconfirmed",
 }
 
 _registered: weakref.WeakKeyDictionary[CollectorRegistry, _Metrics] = weakref.WeakKeyDictionary()
@@ -132,7 +137,7 @@ class PrometheusEvents:
 
     ``taskonce_events_total{event,queue,task,framework}`` counts every event;
     ``taskonce_sends_total{event,…}`` counts handed-off messages (deferred, dispatched,
-    redispatched, discarded); ``taskonce_handler_duration_seconds{outcome,…}`` is a histogram
+    redispatched, discarded, and ``unconfirmed``: given up on after the receipt's tries); ``taskonce_handler_duration_seconds{outcome,…}`` is a histogram
     of handler run time (outcome ``completed``, ``marked``, ``released``, …);
     ``taskonce_takeover_recovery_seconds{queue,reason}`` a histogram of recovery after a dead
     worker; ``taskonce_claims_in_progress{…}`` a gauge of the claims this process holds; and,

@@ -8,8 +8,11 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 from taskonce.errors import ConfigError
 from taskonce.stores.base import (
     MAX_KEY_LENGTH,
+    Awaiting,
     Claim,
     ClaimOutcome,
+    DueForRelay,
+    ReceiptLease,
     Record,
     Seen,
     SendLease,
@@ -112,9 +115,12 @@ def open_store(url: str, **options: Any) -> Store:
 __all__ = [
     "MAX_KEY_LENGTH",
     "SUPPORTED_SCHEMES",
+    "Awaiting",
     "Claim",
     "ClaimOutcome",
+    "DueForRelay",
     "MemoryStore",
+    "ReceiptLease",
     "Record",
     "Seen",
     "SendLease",

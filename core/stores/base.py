@@ -107,6 +107,9 @@ class Record:
     sends_pending: bool = False
     #: those sends (JSON texts, in send order) when the read returns them (``get`` does)
     sends: tuple[str, ...] = ()
+    #: sends published and awaiting their receipts, or given up on (:mod:`taskonce.receipts`'s
+    #: JSON text), when the read returns them (``get`` does)
+    receipts: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -130,6 +133,47 @@ class SendLease:
     sends: tuple[str, ...] = ()
     #: > 0 when another dispatcher holds the lease: seconds until it runs out
     retry_after: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Awaiting:
+    """Published sends awaiting their receipts, as a record keeps them
+    (:meth:`StoreSends.dispatched`, :meth:`StoreReceipts.settle_receipts`).
+
+    :param entries: what awaits, as :mod:`taskonce.receipts` writes it (JSON text; the store
+        keeps it as it is).
+    :param due: seconds from now (store clock) until the relay should look at them; None when
+        none is awaited any more (only given-up ones are kept, for ``taskonce inspect``): the
+        record leaves the receipts index.
+    :param hold: keep the record at least this many seconds from now (a record whose expiry
+        is later keeps it).
+    """
+
+    entries: str
+    due: float | None
+    hold: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ReceiptLease:
+    """The answer of :meth:`StoreReceipts.take_receipts`."""
+
+    #: the awaiting entries (:attr:`Awaiting.entries`), None when there was nothing due to take
+    entries: str | None = None
+    #: seconds the record is past its due time (store clock), when taken
+    late: float = 0.0
+    #: > 0 when another relay holds them: seconds until its lease runs out
+    retry_after: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DueForRelay:
+    """The answer of :meth:`StoreReceipts.due_for_relay`: the relay's work, oldest first."""
+
+    #: keys whose sends have been pending at least ``older_than`` seconds
+    sends: list[str]
+    #: keys whose awaited receipts are due to be looked for
+    receipts: list[str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,14 +300,51 @@ class StoreSends(abc.ABC):
         The lease's holder may take it again: to renew it, or with ``lease=0`` to let it go."""
 
     @abc.abstractmethod
-    def dispatched(self, key: str, token: str) -> bool:
+    def dispatched(self, key: str, token: str, awaiting: Awaiting | None = None) -> bool:
         """Record ``key``'s pending sends as published (fenced: only while ``token`` is still
-        their dispatch token). True when this call cleared them."""
+        their dispatch token). True when this call cleared them.
+
+        With ``awaiting``, in the same atomic write, the record keeps those entries and joins
+        the receipts index, due ``awaiting.due`` seconds from now, its dispatch lease let go,
+        and is kept at least ``awaiting.hold`` seconds (:class:`StoreReceipts`)."""
 
     @abc.abstractmethod
     def pending_sends(self, older_than: float = 0.0, limit: int = 100) -> list[str]:
         """Keys whose sends have been pending for at least ``older_than`` seconds, oldest
         first, at most ``limit`` (candidates for the relay)."""
+
+
+class StoreReceipts(abc.ABC):
+    """The receipts part of the store contract: published sends whose receivers are guarded on
+    this store wait, in their sender's record, for the receiver's record of their key
+    (:mod:`taskonce.receipts`). A record awaits receipts or has sends pending, never both; the
+    two share its dispatch token and lease. Records that await receipts are found by an index
+    ordered by due time, never by a scan."""
+
+    @abc.abstractmethod
+    def take_receipts(self, key: str, token: str, lease: float) -> ReceiptLease:
+        """Take ``key``'s awaiting entries for ``lease`` seconds under ``token`` if they are
+        due (store clock) and no other relay holds a live lease: the entries and how late they
+        are. Nothing (``entries`` None) when none are awaited, they are not due yet, or they
+        were given up on; with ``retry_after`` when another relay holds them."""
+
+    @abc.abstractmethod
+    def settle_receipts(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
+        """Write back what still awaits (fenced by ``token``): ``awaiting``'s entries, due
+        ``awaiting.due`` seconds from now (or out of the index when None), the lease let go,
+        the record kept at least ``awaiting.hold`` seconds; None clears them (every receipt
+        came). True when written."""
+
+    @abc.abstractmethod
+    def have_records(self, keys: Sequence[str]) -> list[bool]:
+        """For each of ``keys``, whether a live record of it exists (claimed, completed or
+        marked): the receipts. One round trip."""
+
+    @abc.abstractmethod
+    def due_for_relay(self, older_than: float = 0.0, limit: int = 100) -> DueForRelay:
+        """The relay's work in one round trip: at most ``limit`` keys whose sends have been
+        pending at least ``older_than`` seconds (as :meth:`StoreSends.pending_sends`) and at
+        most ``limit`` whose receipts are due, each oldest (earliest due) first."""
 
 
 class StoreOperations(abc.ABC):
@@ -276,8 +357,9 @@ class StoreOperations(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> Mapping[str, int]:
-        """Counts of live records: ``keys``, ``in_progress``, ``completed``, ``expired``, and
-        ``sends_pending``: records whose deferred sends are not all published."""
+        """Counts of live records: ``keys``, ``in_progress``, ``completed``, ``expired``,
+        ``sends_pending``: records whose deferred sends are not all published, and
+        ``receipts_awaited``: records with published sends whose receipts are awaited."""
 
     def records(self, key_prefix: str = "") -> Iterator[Record]:
         """The live records whose key starts with ``key_prefix``, in no particular order
@@ -311,12 +393,13 @@ class StoreOperations(abc.ABC):
         return  # every store but Django's is ready once it answers
 
 
-class Store(StoreKeys, StoreLiveness, StoreSends, StoreOperations):
+class Store(StoreKeys, StoreLiveness, StoreSends, StoreReceipts, StoreOperations):
     """A place to record claims and marks. Implementations: memory, Redis, SQL.
 
-    The contract in four parts: :class:`StoreKeys` (claim, take_over, complete, release,
+    The contract in five parts: :class:`StoreKeys` (claim, take_over, complete, release,
     renew, mark, get), :class:`StoreLiveness` (beat, seen), :class:`StoreSends` (take_sends,
-    dispatched, pending_sends) and :class:`StoreOperations` (purge, stats, records,
+    dispatched, pending_sends), :class:`StoreReceipts` (take_receipts, settle_receipts,
+    have_records, due_for_relay) and :class:`StoreOperations` (purge, stats, records,
     keys_ending, close, describe). Stores that can write inside the caller's database
     transaction also implement :class:`TransactionalStore`.
 

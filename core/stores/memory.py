@@ -16,8 +16,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from taskonce.errors import ConfigError, LeaseLost
 from taskonce.stores.base import (
     LIVENESS_RETENTION,
+    Awaiting,
     Claim,
     ClaimOutcome,
+    DueForRelay,
+    ReceiptLease,
     Record,
     Seen,
     SendLease,
@@ -39,7 +42,9 @@ class _Entry:
     sends: tuple[str, ...] = ()  # pending deferred sends
     sends_token: str = ""
     sends_at: float = 0.0  # when they were recorded
-    sends_lease: float = 0.0  # a dispatcher's lease on them runs until
+    sends_lease: float = 0.0  # a dispatcher's lease on them (or on the receipts) runs until
+    receipts: str | None = None  # published sends awaiting receipts (taskonce.receipts)
+    receipts_due: float | None = None  # when the relay should look at them; None: given up
 
 
 class MemoryStore(Store):
@@ -86,6 +91,7 @@ class MemoryStore(Store):
             marked=entry.status is Status.COMPLETED and not entry.lease_until,
             sends_pending=bool(entry.sends),
             sends=entry.sends,
+            receipts=entry.receipts,
         )
 
     def _owned(self, key: str, owner: str, now: float, operation: str) -> _Entry:
@@ -229,15 +235,52 @@ class MemoryStore(Store):
             entry.sends_lease = now + lease
             return SendLease(entry.sends)
 
-    def dispatched(self, key: str, token: str) -> bool:
+    def dispatched(self, key: str, token: str, awaiting: Awaiting | None = None) -> bool:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or not entry.sends or entry.sends_token != token:
                 return False
             entry.sends = ()
-            entry.sends_token = ""
-            entry.sends_at = entry.sends_lease = 0.0
+            entry.sends_at = 0.0
+            _await(entry, awaiting, self._clock())
             return True
+
+    def take_receipts(self, key: str, token: str, lease: float) -> ReceiptLease:
+        with self._lock:
+            now = self._clock()
+            entry = self._entries.get(key)
+            if entry is None or entry.receipts is None or entry.receipts_due is None:
+                return ReceiptLease()
+            if entry.receipts_due > now:
+                return ReceiptLease()
+            if entry.sends_lease > now and entry.sends_token != token:
+                return ReceiptLease(retry_after=entry.sends_lease - now)
+            entry.sends_token = token
+            entry.sends_lease = now + lease
+            return ReceiptLease(entry.receipts, late=now - entry.receipts_due)
+
+    def settle_receipts(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.receipts is None or entry.sends_token != token:
+                return False
+            _await(entry, awaiting, self._clock())
+            return True
+
+    def have_records(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            now = self._clock()
+            return [self._live(key, now) is not None for key in keys]
+
+    def due_for_relay(self, older_than: float = 0.0, limit: int = 100) -> DueForRelay:
+        with self._lock:
+            now = self._clock()
+            due = [
+                (e.receipts_due, k)
+                for k, e in self._entries.items()
+                if e.receipts_due is not None and e.receipts_due <= now
+            ]
+        return DueForRelay(self.pending_sends(older_than, limit), [k for _, k in sorted(due)[:limit]])
 
     def pending_sends(self, older_than: float = 0.0, limit: int = 100) -> list[str]:
         with self._lock:
@@ -288,6 +331,7 @@ class MemoryStore(Store):
             "completed": len(live) - in_progress,
             "expired": len(entries) - len(live),
             "sends_pending": sum(1 for e in entries if e.sends),
+            "receipts_awaited": sum(1 for e in live if e.receipts_due is not None),
         }
 
     def records(self, key_prefix: str = "") -> Iterator[Record]:
@@ -317,6 +361,18 @@ class MemoryStore(Store):
 
     def describe(self) -> str:
         return "MemoryStore (this process only)"
+
+
+def _await(entry: _Entry, awaiting: Awaiting | None, now: float) -> None:
+    """``awaiting`` (or nothing) as the entry's receipts; the dispatch lease let go."""
+    entry.sends_token = ""
+    entry.sends_lease = 0.0
+    if awaiting is None:
+        entry.receipts = entry.receipts_due = None
+        return
+    entry.receipts = awaiting.entries
+    entry.receipts_due = None if awaiting.due is None else now + awaiting.due
+    entry.expires_at = max(entry.expires_at, now + awaiting.hold)
 
 
 def _record_sends(
