@@ -35,8 +35,11 @@ from celery.canvas import Signature
 from kombu.utils import json as kombu_json
 
 from taskonce import handoff
+from taskonce.celery_ext.routing import stamped_queues
+from taskonce.errors import ConfigError
 from taskonce.guard import Guard
-from taskonce.handoff import Send
+from taskonce.handoff import Receipt, Send
+from taskonce.keys import make_key
 
 T = TypeVar("T")
 
@@ -180,18 +183,18 @@ def restore_links(request: Any, links: tuple[Any, Any]) -> None:
         request.chain = chain
 
 
-def publisher(app: Any) -> Callable[[Send], None]:
+def publisher(app: Any) -> Callable[[Send], Receipt | None]:
     """The guard's publisher of Celery sends: ``app.send_task`` of the stored body under the
-    send's id."""
+    send's id; the send's receipt when its task is guarded here (:func:`receipt_of`)."""
 
-    def publish(send: Send) -> None:
+    def publish(send: Send) -> Receipt | None:
         body = send.body
         options = dict(body.get("options") or {})
         # kombu's type tags back into datetimes, UUIDs, Decimals (see _tagged)
         args, kwargs = kombu_json.loads(  # type: ignore[no-untyped-call]
             json.dumps([body.get("args") or [], body.get("kwargs") or {}])
         )
-        with handoff.send_now():
+        with handoff.send_now(), stamped_queues() as queues:
             app.send_task(
                 body["task"],
                 args=args,
@@ -200,5 +203,48 @@ def publisher(app: Any) -> Callable[[Send], None]:
                 add_to_parent=False,
                 **options,
             )
+        if not send.within or not queues:
+            return None
+        return receipt_of(app, body["task"], send.id, queues[-1], options)
 
     return publish
+
+
+def receipt_of(
+    app: Any, name: str, task_id: str, queue: str, options: Mapping[str, Any]
+) -> Receipt | None:
+    """Where the receipt of task ``name`` sent under ``task_id`` to ``queue`` shows: the key
+    its guard claims, when the task is registered in this app as an
+    :class:`~taskonce.celery_ext.IdempotentTask` and guarded on ``queue``; else None (nothing
+    to await: taskonce cannot see that receiver)."""
+    from taskonce.celery_ext.config import guard_for
+    from taskonce.celery_ext.task import IdempotentTask
+
+    task = app.tasks.get(name)
+    if not isinstance(task, IdempotentTask):
+        return None
+    try:
+        policy = guard_for(app).policy_for(queue, task.idempotency)
+    except ConfigError:
+        return None  # the worker refuses it anyway
+    if not policy.enabled:
+        return None
+    return Receipt(make_key(task_id, queue, policy.identity), policy.keep_for, _delay(options))
+
+
+def _delay(options: Mapping[str, Any]) -> float:
+    """Seconds until a send's ETA (``countdown``, ``eta``), 0 without one."""
+    countdown = options.get("countdown")
+    if isinstance(countdown, (int, float)) and not isinstance(countdown, bool):
+        return max(0.0, float(countdown))
+    eta = options.get("eta")
+    if isinstance(eta, str):
+        try:
+            eta = datetime.datetime.fromisoformat(eta)
+        except ValueError:
+            return 0.0
+    if isinstance(eta, datetime.datetime):
+        if eta.tzinfo is None:
+            eta = eta.replace(tzinfo=datetime.timezone.utc)
+        return max(0.0, (eta - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+    return 0.0

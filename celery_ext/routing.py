@@ -22,8 +22,10 @@ message is published to an exchange without a queue (a retry re-published to the
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from celery import current_app
@@ -33,6 +35,23 @@ logger = logging.getLogger("taskonce.celery")
 
 #: The message header holding the destination queue, stamped at publish time.
 QUEUE_HEADER = "taskonce_queue"
+
+#: While :func:`stamped_queues` runs: the queues stamped in this context, in publish order.
+_STAMPED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "taskonce_stamped_queues", default=None
+)
+
+
+@contextlib.contextmanager
+def stamped_queues() -> Iterator[list[str]]:
+    """The queues the messages published inside the block went to (as stamped): the hand-off's
+    publisher learns where a send went, to know its receiver's key."""
+    seen: list[str] = []
+    token = _STAMPED.set(seen)
+    try:
+        yield seen
+    finally:
+        _STAMPED.reset(token)
 
 
 def publish_queue(
@@ -99,6 +118,9 @@ def stamp_queue(
         return
     if queue:
         headers[QUEUE_HEADER] = queue
+        seen = _STAMPED.get()
+        if seen is not None:
+            seen.append(queue)
 
 
 before_task_publish.connect(stamp_queue, weak=False, dispatch_uid="taskonce.celery_ext.stamp")

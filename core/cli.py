@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import quote
 
+from taskonce import receipts
 from taskonce.errors import ConfigError, TaskonceError
 from taskonce.events import JsonlEvents
 from taskonce.exits import (
@@ -161,7 +162,7 @@ def _emit(out: TextIO, args: argparse.Namespace, data: Any, human: str) -> None:
     out.write((json.dumps(data, sort_keys=True) if args.json else human) + "\n")
 
 
-_COUNTS = ("keys", "in_progress", "completed", "marked", "sends_pending")
+_COUNTS = ("keys", "in_progress", "completed", "marked", "sends_pending", "receipts")
 
 
 def _cmd_stats(args: argparse.Namespace, out: TextIO) -> int:
@@ -175,6 +176,7 @@ def _cmd_stats(args: argparse.Namespace, out: TextIO) -> int:
             row["keys"] += 1
             row["in_progress" if record.state == "claimed" else record.state] += 1
             row["sends_pending"] += int(record.sends_pending)
+            row["receipts"] += int(record.receipts is not None)
         total = {name: sum(row[name] for row in queues.values()) for name in _COUNTS}
         data = {
             "store": store.describe(),
@@ -185,7 +187,7 @@ def _cmd_stats(args: argparse.Namespace, out: TextIO) -> int:
         }
         header = (
             f"{'queue':<24} {'keys':>8} {'claimed':>8} {'completed':>10} {'marked':>8} "
-            f"{'unsent':>8}"
+            f"{'unsent':>8} {'receipts':>8}"
         )
         lines = [store.describe(), header]
         rows = sorted(queues.items())
@@ -194,7 +196,7 @@ def _cmd_stats(args: argparse.Namespace, out: TextIO) -> int:
         for name, row in rows:
             lines.append(
                 f"{name:<24} {row['keys']:>8} {row['in_progress']:>8} {row['completed']:>10} "
-                f"{row['marked']:>8} {row['sends_pending']:>8}"
+                f"{row['marked']:>8} {row['sends_pending']:>8} {row['receipts']:>8}"
             )
         lines.append(f"expired records awaiting purge (every queue): {expired}")
         _emit(out, args, data, "\n".join(lines))
@@ -255,13 +257,14 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
         "sends": f"{len(record.sends)} pending" if record.sends_pending else "-",
     }
     lines = [f"{name:<12} {value}" for name, value in rows.items()]
-    data = record.as_dict()
-    sends = [json.loads(text) for text in data.pop("sends")]
-    for send in sends:  # the deferred sends still to publish, in send order
+    data = {**record.as_dict(), "queue": rows["queue"]}
+    data["sends"] = [json.loads(text) for text in data["sends"]]
+    for send in data["sends"]:  # the deferred sends still to publish, in send order
         body = send.get("body") or {}
         name = body.get("task") or body.get("actor_name") or "?"
         lines.append(f"pending send {send['id']} {send['framework']} {name}")
-    _emit(out, args, {**data, "queue": rows["queue"], "sends": sends}, "\n".join(lines))
+    data["receipts"], awaited = receipts.described(record.receipts)
+    _emit(out, args, data, "\n".join(lines + awaited))
     return 0
 
 
@@ -338,12 +341,8 @@ def _cmd_relay(args: argparse.Namespace, out: TextIO) -> int:
             dispatched = guard.relay(older_than=args.older_than, batch=args.batch)
             total += dispatched
             if dispatched or args.once:
-                _emit(
-                    out,
-                    args,
-                    {"dispatched": dispatched},
-                    f"published the pending sends of {dispatched} record(s)",
-                )
+                text = f"published the pending sends of {dispatched} record(s)"
+                _emit(out, args, {"dispatched": dispatched}, text)
             if args.once:
                 return 0
             if dispatched < args.batch:  # a full batch: more may be waiting, go on at once

@@ -137,7 +137,8 @@ class PrometheusEvents:
 
     ``taskonce_events_total{event,queue,task,framework}`` counts every event;
     ``taskonce_sends_total{event,…}`` counts handed-off messages (deferred, dispatched,
-    redispatched, discarded, and ``unconfirmed``: given up on after the receipt's tries); ``taskonce_handler_duration_seconds{outcome,…}`` is a histogram
+    redispatched, discarded, and ``unconfirmed``: given up on after the receipt's tries);
+    ``taskonce_handler_duration_seconds{outcome,…}`` is a histogram
     of handler run time (outcome ``completed``, ``marked``, ``released``, …);
     ``taskonce_takeover_recovery_seconds{queue,reason}`` a histogram of recovery after a dead
     worker; ``taskonce_claims_in_progress{…}`` a gauge of the claims this process holds; and,

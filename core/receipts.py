@@ -273,4 +273,32 @@ def _unconfirmed(dispatcher: Dispatcher, key: str, entry: Entry) -> None:
     )
 
 
-__all__ = ["TRIES", "Entry", "awaiting", "decode", "encode", "look", "window"]
+def described(text: str | None) -> tuple[list[dict[str, Any]], list[str]]:
+    """A record's receipts (:attr:`~taskonce.stores.Record.receipts`) for ``taskonce
+    inspect``: as JSON data, and as lines (``awaiting receipt …`` / ``unconfirmed send …``)."""
+    if not text:
+        return [], []
+    data: list[dict[str, Any]] = []
+    lines: list[str] = []
+    for entry in decode(text):
+        send = Send.from_json(entry.send)
+        name = send.body.get("task") or send.body.get("actor_name") or "?"
+        state = "unconfirmed send" if entry.unconfirmed else "awaiting receipt"
+        lines.append(
+            f"{state} {send.id} {send.framework} {name} -> {entry.key} "
+            f"(re-sent {entry.tries} time{'' if entry.tries == 1 else 's'})"
+        )
+        data.append(
+            {
+                "id": send.id,
+                "framework": send.framework,
+                "name": name,
+                "receiver_key": entry.key,
+                "tries": entry.tries,
+                "unconfirmed": entry.unconfirmed,
+            }
+        )
+    return data, lines
+
+
+__all__ = ["TRIES", "Entry", "awaiting", "decode", "described", "encode", "look", "window"]

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from dramatiq import Message, Middleware
 
 from taskonce import handoff
-from taskonce.handoff import Send
+from taskonce.handoff import Receipt, Send
 
 if TYPE_CHECKING:
     from dramatiq import Actor, Broker
@@ -56,15 +56,21 @@ _ORIGINAL = "_taskonce_enqueue"
 _LOCK = threading.Lock()
 
 
-def install(broker: Broker, guard: Guard) -> None:
-    """Make ``broker`` capture the sends of guarded actors and let ``guard`` publish them."""
+#: Where a published message's receipt shows (its receiver's key), or None: the middleware's
+#: :meth:`~taskonce.dramatiq_ext.IdempotencyMiddleware.receipt_of`.
+ReceiptOf = Callable[["Message[Any]", "int | None"], "Receipt | None"]
+
+
+def install(broker: Broker, guard: Guard, receipt_of: ReceiptOf | None = None) -> None:
+    """Make ``broker`` capture the sends of guarded actors and let ``guard`` publish them;
+    ``receipt_of`` says where a published send's receipt shows."""
     with _LOCK:
         original = vars(broker).get(_ORIGINAL)
         if original is None:
             original = broker.enqueue
             setattr(broker, _ORIGINAL, original)
             broker.enqueue = functools.partial(_enqueue, original)  # type: ignore[method-assign]
-    guard.register_publisher(FRAMEWORK, publisher(original))
+    guard.register_publisher(FRAMEWORK, publisher(original, receipt_of))
 
 
 def wrap_actor(actor: Actor[Any, Any]) -> None:
@@ -102,10 +108,13 @@ def _enqueue(
     return message.copy(message_id=send_id)
 
 
-def publisher(enqueue: Callable[..., Message[Any]]) -> Callable[[Send], None]:
-    """The guard's publisher of Dramatiq sends: the stored message enqueued under its id."""
+def publisher(
+    enqueue: Callable[..., Message[Any]], receipt_of: ReceiptOf | None = None
+) -> Callable[[Send], Receipt | None]:
+    """The guard's publisher of Dramatiq sends: the stored message enqueued under its id; its
+    receipt by ``receipt_of`` when the send awaits one."""
 
-    def publish(send: Send) -> None:
+    def publish(send: Send) -> Receipt | None:
         body = send.body
         message: Message[Any] = Message(
             queue_name=body["queue_name"],
@@ -116,8 +125,12 @@ def publisher(enqueue: Callable[..., Message[Any]]) -> Callable[[Send], None]:
             message_id=send.id,
             message_timestamp=body["message_timestamp"],
         )
+        delay = body.get("delay")
         with handoff.send_now():
-            enqueue(message, delay=body.get("delay"))
+            enqueue(message, delay=delay)
+        if not send.within or receipt_of is None:
+            return None
+        return receipt_of(message, delay)
 
     return publish
 

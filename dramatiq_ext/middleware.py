@@ -22,6 +22,7 @@ session is visible in the coroutine too (``tests/dramatiq`` proves both through 
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from dramatiq import Middleware
 from dramatiq.common import q_name
+from dramatiq.errors import ActorNotFound
 
 from taskonce import exits
 from taskonce.action import Action, Do, after, before
@@ -56,6 +58,8 @@ from taskonce.dramatiq_ext.tickets import TicketBook
 from taskonce.errors import ConfigError, StoreUnavailable
 from taskonce.exits import EXIT_CONFIG as EXIT_CONFIG  # the adapters' public name
 from taskonce.guard import Delivery, Guard, Ticket
+from taskonce.handoff import Receipt
+from taskonce.keys import make_key
 from taskonce.outage import START_TIMEOUT
 
 if TYPE_CHECKING:
@@ -175,8 +179,21 @@ class IdempotencyMiddleware(Middleware):
 
     def attach(self, broker: Broker) -> None:
         """Capture sends on ``broker``, publish them through it, and put the finisher first."""
-        install(broker, self.guard)
+        install(broker, self.guard, functools.partial(self.receipt_of, broker))
         place_finisher(broker, self.finisher)
+
+    def receipt_of(self, broker: Broker, message: Any, delay: int | None) -> Receipt | None:
+        """Where the receipt of ``message``, published with ``delay`` ms, shows: the key this
+        middleware's guard claims for it, when its actor is declared on ``broker`` and guarded;
+        else None (taskonce cannot see that receiver)."""
+        try:
+            policy = self.policies.for_name(broker, message.actor_name)
+        except ActorNotFound:
+            return None
+        if policy is None or not policy.enabled:
+            return None
+        key = make_key(message.message_id, self._canonical(message.queue_name), policy.identity)
+        return Receipt(key, policy.keep_for, max(0, delay or 0) / 1000.0)
 
     def after_process_boot(self, broker: Broker) -> None:
         """In a worker process of the ``dramatiq`` command, before its actors are imported: wait

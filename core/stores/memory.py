@@ -280,16 +280,19 @@ class MemoryStore(Store):
                 for k, e in self._entries.items()
                 if e.receipts_due is not None and e.receipts_due <= now
             ]
-        return DueForRelay(self.pending_sends(older_than, limit), [k for _, k in sorted(due)[:limit]])
+            pending = self._pending(now - older_than, limit)
+        return DueForRelay(pending, [k for _, k in sorted(due)[:limit]])
 
     def pending_sends(self, older_than: float = 0.0, limit: int = 100) -> list[str]:
         with self._lock:
-            now = self._clock()
-            found = [
-                (e.sends_at, k)
-                for k, e in self._entries.items()
-                if e.sends and e.sends_at <= now - older_than
-            ]
+            return self._pending(self._clock() - older_than, limit)
+
+    def _pending(self, recorded_by: float, limit: int) -> list[str]:
+        found = [
+            (e.sends_at, k)
+            for k, e in self._entries.items()
+            if e.sends and e.sends_at <= recorded_by
+        ]
         return [k for _, k in sorted(found)[:limit]]
 
     def get(self, key: str) -> Record | None:
