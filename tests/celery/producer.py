@@ -1,9 +1,9 @@
 """A web process's send: ``python -m tests.celery.producer TABLE LABEL QUEUE``.
 
 Imports :mod:`tests.celery.app_under_test` (configured by the same ``TO_*`` environment as the
-worker; an SQL store), sends ``t.record(TABLE, LABEL)`` to ``QUEUE`` inside
-:func:`taskonce.send_on_commit` on a session of the store's database, commits (the guard
-publishes it right after) and prints the task id.
+worker; an SQL store), prints ``ready``, waits for a line on its standard input, then sends
+``t.record(TABLE, LABEL)`` to ``QUEUE`` inside :func:`taskonce.send_on_commit` on a session of
+the store's database, commits (the guard publishes it right after) and prints the task id.
 """
 
 from __future__ import annotations
@@ -30,5 +30,7 @@ def main(table: str, label: str, queue: str) -> str:
 
 
 if __name__ == "__main__":
+    print("ready", flush=True)
+    sys.stdin.readline()
     print(main(*sys.argv[1:4]), flush=True)
     GUARD.close()

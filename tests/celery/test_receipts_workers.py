@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -58,8 +59,36 @@ class Sent:
     sender_key: str  # the record that awaits its receipt (a task's key, or outbox:<uuid>)
     child_id: str
     queue: str  # the child's queue
-    published_at: float = 0.0  # the sender's sends_dispatched event
+    published_at: float = 0.0  # the sender's sends_dispatched event (just after the publish)
+    deferred_at: float = 0.0  # its sends_deferred event (before the publish)
     lost_at: float = 0.0  # when the test deleted it from the broker (lost sends)
+
+
+class Watch(threading.Thread):
+    """Samples, every 50 ms from the moment it starts, whether the record ``key`` awaits
+    receipts, until it stops awaiting them: when it was first and last seen awaiting."""
+
+    def __init__(self, store: Store, key: str) -> None:
+        super().__init__(name=f"watch {key}", daemon=True)
+        self.store = store
+        self.key = key
+        self.first_seen = self.last_seen = 0.0
+        self.stopping = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self.stopping.wait(0.05):
+            record = self.store.get(self.key)
+            entries = receipts.decode(record.receipts) if record and record.receipts else []
+            if any(not e.unconfirmed for e in entries):
+                self.last_seen = time.time()
+                self.first_seen = self.first_seen or self.last_seen
+            elif self.last_seen:
+                return
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(10)
 
 
 @dataclasses.dataclass
@@ -70,6 +99,7 @@ class World:
     table: str
     prometheus: Path
     sent: dict[str, Sent] = dataclasses.field(default_factory=dict)
+    watches: dict[str, Watch] = dataclasses.field(default_factory=dict)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -119,6 +149,7 @@ class World:
             what=f"{sent.sender_key} to publish its send",
         )
         sent.published_at = event_time(found[0])
+        sent.deferred_at = event_time(self.events("sends_deferred", key=sent.sender_key)[0])
         return sent
 
     def send_child(
@@ -171,38 +202,53 @@ def _chain_step(world: World, label: str, queue: str) -> Sent:
     return Sent(label, f"{stack.q('eager')}:{first_id}", step_id, queue)
 
 
-def _outbox(world: World, label: str, queue: str) -> Sent:
-    """``python -m tests.celery.producer``: ``t.record`` sent to ``queue`` inside
-    ``send_on_commit``, published right after the commit, by a process of its own."""
-    stack = world.stack
-    producer = subprocess.Popen(
-        [sys.executable, "-m", "tests.celery.producer", world.table, label, queue],
-        cwd=ROOT, env=stack.worker.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    sent = Sent(label, "", "", queue)
+class Producer:
+    """``python -m tests.celery.producer``: a process of its own that sends ``t.record`` to a
+    queue inside ``send_on_commit``, published right after the commit. Started early (its
+    imports take seconds on a loaded machine); it sends when told to."""
 
-    def failed() -> bool:
-        if producer.poll() not in (None, 0):
-            raise AssertionError(f"the producer failed:\n{producer.stderr.read().decode()}")  # type: ignore[union-attr]
+    def __init__(self, world: World, label: str, queue: str) -> None:
+        self.world = world
+        self.sent = Sent(label, "", "", queue)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.celery.producer", world.table, label, queue],
+            cwd=ROOT, env=world.stack.worker.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+
+    def failed(self) -> bool:
+        if self.process.poll() not in (None, 0):
+            assert self.process.stderr is not None
+            raise AssertionError(f"the producer failed:\n{self.process.stderr.read().decode()}")
         return False
 
-    try:
-        world.lose(sent, publish=failed)
-        out, err = producer.communicate(timeout=60)
-    finally:
-        if producer.poll() is None:
-            producer.kill()
-            producer.wait()
-    assert producer.returncode == 0, err.decode()
-    sent.child_id = out.decode().split()[-1]
-    found = [
-        e
-        for e in world.events("sends_dispatched")
-        if str(e.get("message_id") or "").startswith("outbox:")
-    ]
-    assert len(found) == 1, found
-    sent.sender_key = found[0]["message_id"]
-    return sent
+    def send(self) -> Sent:
+        """Send, and lose the message."""
+        process, sent = self.process, self.sent
+        assert process.stdout is not None and process.stdin is not None
+        try:
+            assert process.stdout.readline().strip() == b"ready", self.failed()
+            process.stdin.write(b"go\n")
+            process.stdin.flush()
+            self.world.lose(sent, publish=self.failed)
+            out, err = process.communicate(timeout=60)
+        finally:
+            self.stop()
+        assert process.returncode == 0, err.decode()
+        sent.child_id = out.decode().split()[-1]
+        found = [
+            e
+            for e in self.world.events("sends_dispatched")
+            if str(e.get("message_id") or "").startswith("outbox:")
+        ]
+        assert len(found) == 1, found
+        sent.sender_key = found[0]["message_id"]
+        return sent
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
 
 @pytest.fixture(
@@ -232,6 +278,7 @@ def world(
         )
     stack = start_stack(tmp, "redis", request.param, extra_env=env)
     options = {"prefix": stack.store_ns} if request.param == "redis" else {"table": stack.store_ns}
+    watch_store = taskonce.open_store(stack.store_url, **options)
     world = World(
         stack,
         taskonce.open_store(stack.store_url, **options),
@@ -239,11 +286,16 @@ def world(
         table,
         prometheus,
     )
+    producer = None
     try:
         q = stack.q
+        if request.param == "postgresql":
+            producer = Producer(world, "lost-outbox", q("r-outbox"))
         world.sent["down"] = world.send_child("down", q("r-down"), task="t.send_to_1s")
         world.sent["countdown"] = world.send_child("countdown", q("eager"), countdown=COUNTDOWN)
         world.sent["arrived"] = world.send_child("arrived", q("eager"))
+        for name in ("countdown", "arrived"):
+            world.watches[name] = Watch(watch_store, world.sent[name].sender_key)
         for name in ("down", "countdown", "arrived"):
             world.published(world.sent[name])
         world.sent["child"] = world.published(
@@ -252,8 +304,8 @@ def world(
         world.sent["step"] = world.published(
             world.lose(_chain_step(world, "lost-step", q("r-step")))
         )
-        if request.param == "postgresql":
-            world.sent["outbox"] = world.published(_outbox(world, "lost-outbox", q("r-outbox")))
+        if producer is not None:
+            world.sent["outbox"] = world.published(producer.send())
         for sent in world.sent.values():
             if sent.lost_at:  # lost before the relay's first look, or the test is void
                 assert sent.lost_at < sent.published_at + WITHIN, (
@@ -265,10 +317,15 @@ def world(
         sys.stderr.write(f"--- worker log (tail) ---\n{stack.worker.log()[-8000:]}\n")
         raise
     finally:
+        if producer is not None:
+            producer.stop()
+        for watch in world.watches.values():
+            watch.stop()
         try:
             stop_stack(stack)
         finally:
             world.close()
+            watch_store.close()
             with pg_connect() as conn:
                 conn.execute(f"DROP TABLE IF EXISTS {table}")
 
@@ -321,13 +378,16 @@ def test_a_child_that_arrived_is_never_published_again(world: World) -> None:
     """The child ran at once; the relay's look found its record; nothing is published again,
     nothing skipped, for several confirm_within periods."""
     sent = world.sent["arrived"]
+    watch = world.watches["arrived"]
     wait_for(lambda: world.runs(sent.label) >= 1, timeout=60, interval=0.1, what=sent.label)
     wait_for(
-        lambda: not world.awaiting(sent.sender_key),
+        lambda: not watch.is_alive(),
         timeout=60,
         interval=0.1,
         what=f"{sent.sender_key}'s receipt to be found",
     )
+    assert watch.first_seen, "the send was never awaited"
+    assert not world.awaiting(sent.sender_key)
     # Nothing can be due any more; watch a while anyway.
     end = sent.published_at + 4 * WITHIN + RELAY_EVERY
     while time.time() < end:
@@ -344,20 +404,22 @@ def test_a_countdown_child_is_not_sent_again_before_its_eta(world: World) -> Non
     """A child with a countdown longer than confirm_within is awaited until its ETA plus
     confirm_within: it runs once, after its ETA, and is never published again."""
     sent = world.sent["countdown"]
-    seen_awaiting = [0.0]
-
-    def found() -> bool:
-        if world.awaiting(sent.sender_key):
-            seen_awaiting[0] = time.time()
-            return False
-        return True
-
-    wait_for(found, timeout=60, interval=0.05, what=f"{sent.sender_key}'s receipt to be found")
+    watch = world.watches["countdown"]
+    wait_for(
+        lambda: not watch.is_alive(),
+        timeout=60,
+        interval=0.1,
+        what=f"{sent.sender_key}'s receipt to be found",
+    )
+    assert watch.first_seen, "the send was never awaited"
     # Still awaited until the look at ETA + confirm_within (not at confirm_within).
-    assert seen_awaiting[0] - sent.published_at >= COUNTDOWN + WITHIN - 1.5, seen_awaiting
+    awaited = watch.last_seen - sent.published_at
+    assert awaited >= COUNTDOWN + WITHIN - 1.0, awaited
+    assert not world.awaiting(sent.sender_key)
     claimed = world.events("claimed", message_id=sent.child_id)
     assert len(claimed) == 1
-    assert event_time(claimed[0]) - sent.published_at >= COUNTDOWN - EARLY
+    # The ETA is the publish's time (after sends_deferred) plus the countdown.
+    assert event_time(claimed[0]) - sent.deferred_at >= COUNTDOWN - EARLY
     assert world.runs(sent.label) == 1
     assert world.events("sends_redispatched", key=sent.sender_key) == []
     assert world.events("duplicate_skipped", message_id=sent.child_id) == []

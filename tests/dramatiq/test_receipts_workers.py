@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -66,8 +67,36 @@ class Sent:
     child_id: str
     queue: str  # the child's queue
     actor: str  # the child's actor
-    published_at: float = 0.0  # the sender's sends_dispatched event
+    published_at: float = 0.0  # the sender's sends_dispatched event (just after the publish)
+    deferred_at: float = 0.0  # its sends_deferred event (before the publish)
     lost_at: float = 0.0  # when the test purged it from its queue (lost sends)
+
+
+class Watch(threading.Thread):
+    """Samples, every 50 ms from the moment it starts, whether the record ``key`` awaits
+    receipts, until it stops awaiting them: when it was first and last seen awaiting."""
+
+    def __init__(self, store: Store, key: str) -> None:
+        super().__init__(name=f"watch {key}", daemon=True)
+        self.store = store
+        self.key = key
+        self.first_seen = self.last_seen = 0.0
+        self.stopping = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self.stopping.wait(0.05):
+            record = self.store.get(self.key)
+            entries = receipts.decode(record.receipts) if record and record.receipts else []
+            if any(not e.unconfirmed for e in entries):
+                self.last_seen = time.time()
+                self.first_seen = self.first_seen or self.last_seen
+            elif self.last_seen:
+                return
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(10)
 
 
 @dataclasses.dataclass
@@ -77,6 +106,7 @@ class World:
     table: str
     prometheus: Path
     sent: dict[str, Sent] = dataclasses.field(default_factory=dict)
+    watches: dict[str, Watch] = dataclasses.field(default_factory=dict)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -137,6 +167,7 @@ class World:
             what=f"{sent.sender_key} to publish its send",
         )
         sent.published_at = event_time(found[0])
+        sent.deferred_at = event_time(self.events("sends_deferred", key=sent.sender_key)[0])
         return sent
 
     def send_child(self, name: str, delay: float = 0.0, sender: str = "r_send") -> Sent:
@@ -209,11 +240,14 @@ def world(
         h.start_worker(env=env, queues=MAIN_QUEUES)
         table = h.new_runs_table()
         world = World(h, store_of(h.config), table, prometheus)
+        watch_store = store_of(h.config)
         try:
             sent = world.sent
             sent["down"] = world.send_child("r_rdown", sender="r_send_1s")
             sent["delayed"] = world.send_child("child", delay=DELAY)
             sent["arrived"] = world.send_child("child")
+            for name in ("delayed", "arrived"):
+                world.watches[name] = Watch(watch_store, sent[name].sender_key)
             for name in ("down", "delayed", "arrived"):
                 world.published(sent[name])
             sent["child"] = world.published(world.lose(world.send_child("r_rchild")))
@@ -229,7 +263,10 @@ def world(
             h.start_worker(ready=False, env=env, queues=LOST_QUEUES)
             yield world
         finally:
+            for watch in world.watches.values():
+                watch.stop()
             world.store.close()
+            watch_store.close()
             h.drop_table(table)
 
 
@@ -282,13 +319,16 @@ def test_a_child_that_arrived_is_never_published_again(world: World) -> None:
     """The child ran at once; the relay's look found its record; nothing is published again,
     nothing skipped, for several confirm_within periods."""
     sent = world.sent["arrived"]
+    watch = world.watches["arrived"]
     wait_for(lambda: world.runs(sent.child_id) >= 1, timeout=60, interval=0.1, what=sent.actor)
     wait_for(
-        lambda: not world.awaiting(sent.sender_key),
+        lambda: not watch.is_alive(),
         timeout=60,
         interval=0.1,
         what=f"{sent.sender_key}'s receipt to be found",
     )
+    assert watch.first_seen, "the send was never awaited"
+    assert not world.awaiting(sent.sender_key)
     # Nothing can be due any more; watch a while anyway.
     end = sent.published_at + 4 * WITHIN + RELAY_EVERY
     while time.time() < end:
@@ -305,20 +345,22 @@ def test_a_delayed_child_is_not_sent_again_before_its_eta(world: World) -> None:
     """A child with a delay longer than confirm_within is awaited until its ETA plus
     confirm_within: it runs once, after its ETA, and is never published again."""
     sent = world.sent["delayed"]
-    seen_awaiting = [0.0]
-
-    def found() -> bool:
-        if world.awaiting(sent.sender_key):
-            seen_awaiting[0] = time.time()
-            return False
-        return True
-
-    wait_for(found, timeout=60, interval=0.05, what=f"{sent.sender_key}'s receipt to be found")
+    watch = world.watches["delayed"]
+    wait_for(
+        lambda: not watch.is_alive(),
+        timeout=60,
+        interval=0.1,
+        what=f"{sent.sender_key}'s receipt to be found",
+    )
+    assert watch.first_seen, "the send was never awaited"
     # Still awaited until the look at ETA + confirm_within (not at confirm_within).
-    assert seen_awaiting[0] - sent.published_at >= DELAY + WITHIN - 1.5, seen_awaiting
+    awaited = watch.last_seen - sent.published_at
+    assert awaited >= DELAY + WITHIN - 1.0, awaited
+    assert not world.awaiting(sent.sender_key)
     claimed = world.events("claimed", message_id=sent.child_id)
     assert len(claimed) == 1
-    assert event_time(claimed[0]) - sent.published_at >= DELAY - EARLY
+    # The ETA is the publish's time (after sends_deferred) plus the delay.
+    assert event_time(claimed[0]) - sent.deferred_at >= DELAY - EARLY
     assert world.runs(sent.child_id) == 1
     assert world.events("sends_redispatched", key=sent.sender_key) == []
     assert world.events("duplicate_skipped", message_id=sent.child_id) == []
