@@ -438,21 +438,19 @@ def build(config: Config) -> App:
 
     def receiver(queue: str) -> Any:
         @actor(config.queue(queue), name=f"r_{queue}")
-        def receive(table: str, label: str = "", previous: Any = None) -> str:
+        def receive(table: str, label: str = "", previous: Any = None) -> None:
             """A guarded child that counts its run (``previous``: a pipeline's last result)."""
             runs.record(table)
-            return label
 
         return receive
 
     for name in RECEIPT_QUEUES:
         receiver(name)
 
-    def send_to(table: str, label: str, actor_name: str, delay: int = 0) -> str:
+    def send_to(table: str, label: str, actor_name: str, delay: int = 0) -> None:
         """Sends ``actor_name(table, label)`` (``delay`` ms later, if given)."""
         runs.record(table)
         actors[actor_name].send_with_options(args=(table, label), delay=delay or None)
-        return label
 
     actor(main, name="r_send")(send_to)
     # its sends are looked for after 1 s (the receipts' tries in 15 s)
