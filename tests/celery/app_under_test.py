@@ -487,11 +487,18 @@ def early_sender(self: Any, table: str, label: str, child: str) -> str:
 
 
 def _send_to(
-    self: Any, table: str, label: str, queue: str, child: str, countdown: float = 0.0
+    self: Any,
+    table: str,
+    label: str,
+    queue: str,
+    child: str,
+    countdown: float = 0.0,
+    task: str = "t.record",
 ) -> str:
-    """Sends ``t.record(table, child)`` to ``queue`` (``countdown`` seconds later, if given)."""
+    """Sends ``task(table, child)`` (``t.record`` by default) to ``queue`` (``countdown``
+    seconds later, if given)."""
     count_run(table, self, label)
-    record.apply_async((table, child), queue=queue, countdown=countdown or None)
+    app.tasks[task].apply_async((table, child), queue=queue, countdown=countdown or None)
     return label
 
 
@@ -504,6 +511,13 @@ send_to_1s = app.task(
     idempotency={"confirm_within": 1.0},
     name="t.send_to_1s",
 )(_send_to)
+
+
+@app.task(base=IdempotentTask, bind=True, acks_late=True, max_retries=2, name="t.retrying")
+def retrying(self: Any, table: str, label: str) -> str:
+    """Fails every run and retries 3 s later, twice: three runs, then it fails for good."""
+    count_run(table, self, label)
+    raise self.retry(countdown=3)
 
 
 @signals.worker_ready.connect
