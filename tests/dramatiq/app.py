@@ -453,6 +453,14 @@ def build(config: Config) -> App:
         actors[actor_name].send_with_options(args=(table, label), delay=delay or None)
 
     actor(main, name="r_send")(send_to)
+
+    @actor(main, name="r_retrying", max_retries=2, min_backoff=3000, max_backoff=3000)
+    def retrying(table: str, label: str) -> None:
+        """Fails every run and is retried by Dramatiq (1.5 to 3 s later), twice: three runs,
+        then dead-lettered."""
+        runs.record(table)
+        raise RuntimeError("r_retrying fails on purpose")
+
     # its sends are looked for after 1 s (the receipts' tries in 15 s)
     actor(main, name="r_send_1s", idempotency={"confirm_within": 1.0})(send_to)
 
