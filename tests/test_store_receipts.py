@@ -69,8 +69,12 @@ def published(store: Store, key: str, lazy: bool = False, keep_for: float = DAY)
 def test_dispatched_with_awaiting_keeps_the_entries_until_due(store: Store) -> None:
     published(store, "q:eager")
     published(store, "q:lazy", lazy=True)
-    assert store.dispatched("q:eager", "t", awaiting(0.3, "child:1"))
-    assert store.dispatched("q:lazy", "t", awaiting(0.3, "child:2"))
+    written = time.monotonic()
+    assert store.dispatched("q:eager", "t", awaiting(1.0, "child:1"))
+    assert store.dispatched("q:lazy", "t", awaiting(1.0, "child:2"))
+    not_due = store.due_for_relay(0.0, 10).receipts, store.take_receipts("q:eager", "r", 30)
+    if time.monotonic() - written < 0.9:  # a loaded machine may have taken longer than that
+        assert not_due == ([], ReceiptLease())
     for key, state, child in (
         ("q:eager", State.COMPLETED, "child:1"),
         ("q:lazy", State.MARKED, "child:2"),
@@ -82,12 +86,8 @@ def test_dispatched_with_awaiting_keeps_the_entries_until_due(store: Store) -> N
         assert not record.sends_pending and record.sends == ()
         assert (record.fingerprint, record.result) == ("fp", '{"r":"x|y"}')
     assert store.pending_sends() == []
-    assert store.due_for_relay(0.0, 10).receipts == []  # not due yet
-    assert store.take_receipts("q:eager", "relay", 30) == ReceiptLease()
-    due = wait_for(
-        lambda: store.due_for_relay(0.0, 10).receipts, timeout=10, what="receipts to be due"
-    )
-    assert sorted(due) == ["q:eager", "q:lazy"]
+    wait_for(lambda: len(store.due_for_relay(0.0, 10).receipts) == 2, timeout=10, what="due")
+    assert sorted(store.due_for_relay(0.0, 10).receipts) == ["q:eager", "q:lazy"]
     assert store.due_for_relay(0.0, 10).sends == []
     assert store.stats()["receipts_awaited"] == 2
     assert store.stats()["sends_pending"] == 0
@@ -112,12 +112,12 @@ def test_dispatched_with_awaiting_is_fenced_by_the_dispatch_token(store: Store) 
 def test_take_receipts_leases_them_to_one_relay(store: Store) -> None:
     published(store, "q:k")
     store.dispatched("q:k", "t", awaiting(0))
-    taken = store.take_receipts("q:k", "relay-1", 0.4)
+    taken = store.take_receipts("q:k", "relay-1", 1.0)
     assert taken.entries == entries("child:1") and taken.retry_after == 0
     assert 0 <= taken.late < 5
     other = store.take_receipts("q:k", "relay-2", 30)
-    assert other.entries is None and 0 < other.retry_after <= 0.4
-    again = store.take_receipts("q:k", "relay-1", 0.4)  # its holder may take them again
+    assert other.entries is None and 0 < other.retry_after <= 1.0
+    again = store.take_receipts("q:k", "relay-1", 1.0)  # its holder may take them again
     assert again.entries == entries("child:1")
     assert not store.settle_receipts("q:k", "relay-2", None)  # fenced
     # relay-1 dies: once its lease ran out (store clock), relay-2 takes them over
@@ -155,12 +155,14 @@ def test_settle_with_a_new_due_time_puts_them_back(store: Store) -> None:
     published(store, "q:k")
     store.dispatched("q:k", "t", awaiting(0, "child:1", "child:2"))
     assert store.take_receipts("q:k", "relay", 30).entries == entries("child:1", "child:2")
-    assert store.settle_receipts("q:k", "relay", awaiting(0.4, "child:2"))
+    written = time.monotonic()
+    assert store.settle_receipts("q:k", "relay", awaiting(1.0, "child:2"))
+    not_due = store.due_for_relay(0.0, 10).receipts, store.take_receipts("q:k", "relay-2", 30)
+    if time.monotonic() - written < 0.9:  # a loaded machine may have taken longer than that
+        assert not_due == ([], ReceiptLease())
     record = store.get("q:k")
     assert record is not None and record.receipts == entries("child:2")
-    assert store.due_for_relay(0.0, 10).receipts == []
     # the lease was let go: another relay takes them as soon as they are due
-    assert store.take_receipts("q:k", "relay-2", 30) == ReceiptLease()
     wait_for(lambda: store.due_for_relay(0.0, 10).receipts, timeout=10, what="the new due")
     taken = store.take_receipts("q:k", "relay-2", 30)
     assert taken.entries == entries("child:2") and taken.retry_after == 0
@@ -191,7 +193,7 @@ def test_hold_keeps_the_record_past_its_keep_for(store: Store) -> None:
     store.take_receipts("q:settled", "relay", 30)
     store.settle_receipts("q:settled", "relay", awaiting(30, hold=5.0))
     record = store.get("q:dispatched")
-    assert record is not None and 4.0 < record.expires_at - time.time() <= 5.5
+    assert record is not None and 3.0 < record.expires_at - time.time() <= 5.5
     wait_for(lambda: time.monotonic() > started + 2.0, timeout=10, what="keep_for to pass")
     for key in ("q:dispatched", "q:settled"):
         record = store.get(key)
