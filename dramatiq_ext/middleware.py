@@ -188,7 +188,7 @@ class IdempotencyMiddleware(Middleware):
         else None (taskonce cannot see that receiver)."""
         try:
             policy = self.policies.for_name(broker, message.actor_name)
-        except ActorNotFound:
+        except (ActorNotFound, ConfigError):  # the message left: never fail its publish now
             return None
         if policy is None or not policy.enabled:
             return None
