@@ -12,6 +12,10 @@ for its queue (``{global_keyprefix}{queue}``): each lost child is routed to a qu
 that no worker consumes until then; the test then makes the worker consume it
 (``control.add_consumer``). Runs are counted in a PostgreSQL table of the module; the events
 (JSONL) and the sender's record in the store tell what the relay did and when.
+
+The outbox send (PostgreSQL store only) is made inside ``send_on_commit`` by a producer that is
+not a worker. The last test is an expected failure (strict): a child that fails and awaits its
+retry has no record meanwhile, and the relay takes it for lost.
 """
 
 from __future__ import annotations

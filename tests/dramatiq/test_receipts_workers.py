@@ -15,6 +15,10 @@ waits for a file before its consumers start: a cold start takes seconds on a loa
 ``rdown`` is never consumed.
 Runs are counted in a PostgreSQL table of the module (one row per run, under the message id);
 the events (JSONL) and the sender's record in the store tell what the relay did and when.
+
+The outbox send (PostgreSQL store only) is made inside ``send_on_commit`` by a producer that is
+not a worker. The last test is an expected failure (strict): a child that fails and awaits its
+retry has no record meanwhile, and the relay takes it for lost.
 """
 
 from __future__ import annotations
