@@ -17,8 +17,8 @@ Runs are counted in a PostgreSQL table of the module (one row per run, under the
 the events (JSONL) and the sender's record in the store tell what the relay did and when.
 
 The outbox send (PostgreSQL store only) is made inside ``send_on_commit`` by a producer that is
-not a worker. The last test is an expected failure (strict): a child that fails and awaits its
-retry has no record meanwhile, and the relay takes it for lost.
+not a worker. A child that fails and awaits its retry has no record of its key meanwhile; the guard's
+``<key>~received`` mark of the failed run is its receipt.
 """
 
 from __future__ import annotations
@@ -450,20 +450,15 @@ def test_a_receiver_that_stays_down_gets_three_copies_then_send_unconfirmed(worl
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="receipts take a child that failed and awaits its retry for a lost one (its eager "
-    "claim is released, so it has no record between runs): each look publishes a fresh copy "
-    "(retries 0), which starts a retry chain of its own; 12 runs instead of 3, then "
-    "send_unconfirmed says it was never received",
-)
 def test_a_child_that_fails_and_retries_runs_only_its_own_tries(world: World) -> None:
     """The child fails every run and Dramatiq retries it 1.5 to 3 s later, at most twice
     (``r_retrying``): three runs in all. Its sender awaits it with confirm_within 1 s, shorter
-    than the retry's backoff (the docs say to choose it longer; but Dramatiq's default backoff,
-    15 s x 2^n and up to twice that, can pass the default confirm_within of 300 s from the
-    fifth of its 20 retries on). A copy published meanwhile should still not give the child
-    more runs than its own retries, nor be reported as never received."""
+    than the retry's backoff (Dramatiq's default backoff, 15 s x 2^n and up to twice that, can
+    pass the default confirm_within of 300 s from the fifth of its 20 retries on). Between its
+    runs the child has no record of its key (the claim is released for the retry), but its
+    failed run marked ``<key>~received``: that is its receipt, so it is not sent again (each
+    copy would start a retry chain of its own: 12 runs before the guard made that mark) nor
+    reported as never received."""
     sent = world.sent["retrying"]
     wait_for(
         lambda: not world.awaiting(sent.sender_key),
@@ -472,6 +467,16 @@ def test_a_child_that_fails_and_retries_runs_only_its_own_tries(world: World) ->
         what=f"{sent.sender_key} to stop awaiting",
     )
     wait_for(lambda: world.runs(sent.child_id) >= 3, timeout=60, interval=0.1, what=sent.actor)
+    # A copy sent again would start a retry chain of its own: watch for one a while longer
+    # than a retry's countdown.
+    end = time.time() + 3.0 + RELAY_EVERY + 1.0
+    while time.time() < end:
+        assert world.runs(sent.child_id) <= 3
+        time.sleep(0.2)
     resent = world.events("sends_redispatched", key=sent.sender_key)
     unconfirmed = world.events("send_unconfirmed", message_id=sent.child_id)
     assert (world.runs(sent.child_id), len(resent), len(unconfirmed)) == (3, 0, 0)
+    assert world.entries(sent.sender_key) == []
+    child_key = f"{sent.queue}:{sent.child_id}"
+    assert world.store.get(child_key) is None  # failed for good: released
+    assert world.store.get(receipts.received_key(child_key)) is not None
