@@ -341,8 +341,8 @@ class IdempotencyMiddleware(Middleware):
             and sends_after_success(broker, message)
             and broker.middleware[:1] == [self.finisher]
         ):
-            # Pipelines' and Callbacks' after_* hooks run after this one: their sends belong to
-            # this outcome, so the finisher (last to run) records it.
+            # Pipelines', Callbacks' and GroupCallbacks' after_* hooks run after this one: their
+            # sends belong to this outcome, so the finisher (last to run) records it.
             self.finishing.hold(message, ticket)
             return
         self.settle(broker, message, ticket, result, exception)
