@@ -362,7 +362,7 @@ class Statements:
         self.have_records = sa.select(c.key).where(c.key.in_(keys), c.expires_at > b.now)
         self.due_for_relay = self._due_for_relay(table)
 
-    def _due_for_relay(self, table: sa.Table) -> sa.CompoundSelect:
+    def _due_for_relay(self, table: sa.Table) -> sa.Executable:
         """Both halves of the relay's work in one statement: ``UNION ALL`` of two derived
         tables, each ``ORDER BY … LIMIT`` on its own index (the sends' and the receipts'), tagged
         ``s``/``r``. Derived tables because SQLite allows neither parentheses nor ``LIMIT`` on
