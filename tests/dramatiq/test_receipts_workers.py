@@ -250,9 +250,18 @@ def world(
         stack, tmp, pg_engine, "shared", start=False,
         relay_every=RELAY_EVERY, confirm_within=WITHIN, prometheus=True,
     ) as h:  # fmt: skip
+        # The second worker: it starts now and consumes the lost queues once told to.
+        second = h.start_worker(
+            ready=False, env={**env, "TASKONCE_DQ_GO": str(go)}, queues=LOST_QUEUES
+        )
         h.start_worker(env=env, queues=MAIN_QUEUES)
-        # The second worker: it imports now and consumes the lost queues once told to.
-        h.start_worker(ready=False, env={**env, "TASKONCE_DQ_GO": str(go)}, queues=LOST_QUEUES)
+
+        def waiting() -> bool:
+            if not second.alive:
+                raise AssertionError(f"the second worker exited:\n{second.output()[-4000:]}")
+            return Path(f"{go}.waiting").exists()
+
+        wait_for(waiting, timeout=90, interval=0.1, what="the second worker to wait for its go")
         table = h.new_runs_table()
         world = World(h, store_of(h.config), table, prometheus)
         watch_store = store_of(h.config)
