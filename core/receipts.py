@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from taskonce.errors import StoreUnavailable, TaskonceError
 from taskonce.events import Event, make_event
 from taskonce.handoff import Receipt, Send
+from taskonce.keys import queue_of
 from taskonce.policy import RECEIPT_WINDOW
 from taskonce.stores.base import Awaiting, Store
 
@@ -293,6 +294,7 @@ def _unconfirmed(dispatcher: Dispatcher, key: str, entry: Entry) -> None:
     dispatcher.sinks.send(
         make_event(
             Event.SEND_UNCONFIRMED,
+            queue=queue_of(entry.key),
             message_id=send.id,
             task=name,
             framework=send.framework,

@@ -335,7 +335,7 @@ def test_prometheus_counts_unconfirmed_sends(memory: MemoryStore, clock: Clock) 
     for _ in range(6):
         clock.now += 1000
         guard.relay(older_than=0)
-    labels = {"event": "unconfirmed", "queue": "", "task": "child", "framework": "python"}
+    labels = {"event": "unconfirmed", "queue": "child", "task": "child", "framework": "python"}
     assert registry.get_sample_value("taskonce_sends_total", labels) == 1.0
 
 

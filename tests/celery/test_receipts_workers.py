@@ -483,7 +483,7 @@ def test_a_receiver_that_stays_down_gets_three_copies_then_send_unconfirmed(worl
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(world.prometheus))
-    labels = {"queue": "", "task": "t.record", "framework": "celery"}
+    labels = {"queue": sent.queue, "task": "t.record", "framework": "celery"}
     assert (
         registry.get_sample_value("taskonce_sends_total", {"event": "unconfirmed", **labels}) == 1
     )

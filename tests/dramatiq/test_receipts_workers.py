@@ -449,7 +449,7 @@ def test_a_receiver_that_stays_down_gets_three_copies_then_send_unconfirmed(worl
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(world.prometheus))
-    labels = {"queue": "", "task": "r_rdown", "framework": "dramatiq"}
+    labels = {"queue": sent.queue, "task": "r_rdown", "framework": "dramatiq"}
     assert (
         registry.get_sample_value("taskonce_sends_total", {"event": "unconfirmed", **labels}) == 1
     )
