@@ -177,6 +177,7 @@ class Statements:
             self.lease_remaining.label("lease_remaining"),
             b.now.label("db_now"),
             c.worker,
+            c.receipts,  # a duplicate's answer shows what its record awaits (None: nothing)
         ).where(c.key == b.key)
         # An expired record (mark or claim) counts as absent: replace it wholesale, provided
         # it is still the record that was read and still expired.
