@@ -261,7 +261,8 @@ class RecordAdmin(_ReadOnly):
         parts = []
         if len(entries) > given_up:
             awaited = f"{len(entries) - given_up} awaited"
-            looked = _when(record.receipts_at)
+            # a record with receipts has no sends pending: its sends_at is the receipts' due time
+            looked = _when(record.sends_at)
             if looked is not None:
                 awaited += f", next look at {looked.isoformat(timespec='seconds')}"
             parts.append(awaited)

@@ -25,12 +25,12 @@ class Record(models.Model):
     worker = models.CharField(max_length=255, null=True)
     sends = models.TextField(null=True)
     sends_token = models.CharField(max_length=64, null=True)
+    # sends pending (status "sending"): when recorded; receipts awaited ("completed"): when the
+    # relay looks for them next; NULL otherwise (given up on: receipts kept, sends_at NULL)
     sends_at = models.FloatField(null=True)
     sends_lease = models.FloatField(null=True)
-    # published sends awaiting their receipts (JSON), and when the relay looks for them next
-    # (NULL when none is awaited: none published, all received, or the rest given up on)
+    # published sends awaiting their receipts, or given up on (JSON)
     receipts = models.TextField(null=True)
-    receipts_at = models.FloatField(null=True)
 
     class Meta:
         db_table = "taskonce_keys"

@@ -1,11 +1,13 @@
 """The store contract's receipts part on the SQL stores (PostgreSQL, MariaDB, SQLite) and on
-Django's connections to them: the ``receipts``/``receipts_at`` columns written by
+Django's connections to them: the ``receipts`` column (its due time in ``sends_at``) written by
 ``dispatched(awaiting=)``, the relay's lease on them, their write-back, the one-statement
-``due_for_relay`` and its index, and the table of an earlier version gaining the columns."""
+``due_for_relay`` on the one ``sends_at`` index, and the table of an earlier version gaining
+the column."""
 
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from taskonce.stores import Status, Store
 from taskonce.stores.base import Awaiting, ClaimOutcome
 from tests.helpers import (
     DJANGO_KINDS,
+    MARIADB_URL,
     POSTGRES_URL,
     drop_store,
     make_store,
@@ -63,9 +66,38 @@ def test_dispatched_with_awaiting_keeps_the_entries_and_lets_the_lease_go(store:
     assert record is not None and record.status is Status.COMPLETED
     assert not record.sends_pending and record.sends == ()
     assert record.receipts == ENTRIES
-    assert store.pending_sends() == []
+    # its due time is in sends_at, yet it has no sends pending to anything that means those
+    assert store.pending_sends() == [] and store.due_for_relay().sends == []
+    assert store.stats()["sends_pending"] == 0 and store.stats()["receipts_awaited"] == 1
+    assert store.take_sends("q:a", "t2", 30).sends == ()
+    assert not store.dispatched("q:a", "t1")
     # the lease was let go: any relay may take the receipts (due at once)
     assert store.take_receipts("q:a", "r1", 30).entries == ENTRIES
+    assert store.take_sends("q:a", "r1", 30).sends == ()  # the relay's token: still no sends
+    assert not store.dispatched("q:a", "r1")
+
+
+def test_pending_sends_are_not_receipts(store: Store) -> None:
+    """A record with sends pending has a sends_at too: no half of the relay's work but the
+    sends' sees it, and purge keeps it even once expired."""
+    sent(store, "q:a", keep_for=0.3)
+    assert store.take_receipts("q:a", "t1", 30).entries is None
+    assert not store.settle_receipts("q:a", "t1", None)
+    assert not store.settle_receipts("q:a", "t1", Awaiting(ENTRIES, 0.0, 600))
+    assert store.due_for_relay() == taskonce.stores.base.DueForRelay(["q:a"], [])
+    assert store.stats()["receipts_awaited"] == 0
+    time.sleep(0.5)
+    assert store.purge() == 0
+    assert store.pending_sends() == ["q:a"]
+
+
+def test_an_awaiting_record_that_expired_is_purged(store: Store) -> None:
+    """Its expiry was extended by its hold; once past that it goes as any expired record."""
+    sent(store, "q:a", keep_for=0.2)
+    assert store.dispatched("q:a", "t1", Awaiting(ENTRIES, 60.0, 0.3))
+    time.sleep(0.6)
+    assert store.purge() == 1
+    assert store.due_for_relay() == taskonce.stores.base.DueForRelay([], [])
 
 
 def test_dispatched_without_awaiting_keeps_no_receipts(store: Store) -> None:
@@ -151,9 +183,10 @@ def test_settle_without_a_due_time_keeps_the_entries_out_of_the_index(store: Sto
     assert store.settle_receipts("q:a", "r1", Awaiting(given_up, None, 0.0))
     record = store.get("q:a")
     assert record is not None and record.receipts == given_up  # kept for taskonce inspect
-    assert store.due_for_relay().receipts == []
-    assert store.stats()["receipts_awaited"] == 0
+    assert store.due_for_relay() == taskonce.stores.base.DueForRelay([], [])
+    assert store.stats()["receipts_awaited"] == 0 and store.stats()["sends_pending"] == 0
     assert store.take_receipts("q:a", "r1", 30).entries is None
+    assert store.take_sends("q:a", "r1", 30).sends == ()
     assert [r.receipts for r in store.records("q:")] == [given_up]
 
 
@@ -217,7 +250,8 @@ def test_an_expired_awaiting_record_replaced_by_a_new_one_awaits_nothing(store: 
     assert store.stats()["receipts_awaited"] == 0
 
 
-def test_the_receipts_index_exists(store: Store) -> None:
+def test_one_relay_index_serves_sends_and_receipts(store: Store) -> None:
+    """No index of the receipts' own: their due time is ``sends_at``, under its index."""
     if type(store).__name__ == "DjangoStore":
         from django.db import connections
 
@@ -230,42 +264,107 @@ def test_the_receipts_index_exists(store: Store) -> None:
         table = store._table  # type: ignore[attr-defined]
         found = sa.inspect(store.engine).get_indexes(table.name)  # type: ignore[attr-defined]
         columns = {index["name"]: index["column_names"] for index in found}
-    assert ["receipts_at"] in columns.values()
+    assert ["sends_at"] in columns.values()
+    assert not [c for c in columns.values() if "receipts" in c or "receipts_at" in c]
 
 
-def test_postgresql_finds_due_receipts_by_an_index_range_scan() -> None:
-    """Many records awaiting receipts not due yet: the relay's statement reads the index from
-    its start up to now (its clock read once), never every awaiting record."""
-    require_service("postgresql")
-    store: Any = taskonce.open_store(POSTGRES_URL, table=f"t_{uuid.uuid4().hex[:10]}")
+# 50,000 records: every tenth awaits receipts due in an hour or more, every tenth (+1) gave
+# them up (receipts kept, sends_at NULL), every tenth (+2) has sends pending recorded in an hour
+# (a clock ahead: not due), the rest are plain completions with nothing for the relay.
+_ROWS = (
+    "SELECT {key}, CASE WHEN g % 10 = 2 THEN 'sending' ELSE 'completed' END, 0, 0, 1e10, "
+    "CASE WHEN g % 10 IN (0, 1) THEN '[]' END, CASE WHEN g % 10 = 2 THEN '[]' END, "
+    "CASE WHEN g % 10 IN (0, 2) THEN {now} + 3600 + g END"
+)
+_SERIES = {
+    "postgresql": "FROM generate_series(1, 50000) AS g",
+    "mariadb": "FROM (SELECT seq AS g FROM seq_1_to_50000) AS s",
+    "sqlite": "FROM s",
+}
+_NOW = {
+    "postgresql": "extract(epoch from now())",
+    "mariadb": "UNIX_TIMESTAMP()",
+    "sqlite": "CAST(strftime('%s', 'now') AS REAL)",
+}
+
+
+def _fill(store: Any, kind: str) -> None:
+    """The 50,000 records above in ``store``'s table, its statistics up to date."""
+    table = store._table_label
+    key = "CONCAT('q:', g)" if kind == "mariadb" else "'q:' || g"
+    rows = _ROWS.format(key=key, now=_NOW[kind])
+    if kind == "sqlite":
+        rows = (
+            "WITH RECURSIVE s(g) AS (SELECT 1 UNION ALL SELECT g + 1 FROM s WHERE g < 50000) "
+            + rows
+        )
+    insert = (
+        f"INSERT INTO {table} ({'`key`' if kind == 'mariadb' else 'key'}, status, created_at, "
+        f"lease_until, expires_at, receipts, sends, sends_at) {rows} {_SERIES[kind]}"
+    )
+    with store.engine.begin() as connection:
+        # a driver with pyformat placeholders reads % in the text
+        connection.exec_driver_sql(insert.replace("%", "%%") if kind != "sqlite" else insert)
+        connection.exec_driver_sql(f"ANALYZE {'TABLE ' if kind == 'mariadb' else ''}{table}")
+
+
+def _plan(store: Any, kind: str) -> str:
+    """The database's plan of ``due_for_relay``'s one statement, as text."""
+    compiled = store._sql.due_for_relay.compile(store.engine)
+    params = compiled.construct_params({"p_age": 0.0, "p_limit": 100})
+    explain = "EXPLAIN QUERY PLAN" if kind == "sqlite" else "EXPLAIN"
+    with store.engine.connect() as connection:
+        cursor = connection.connection.driver_connection.cursor()
+        if compiled.positiontup is not None:  # SQLite's qmark placeholders
+            cursor.execute(f"{explain} {compiled}", [params[n] for n in compiled.positiontup])
+        else:  # psycopg's and PyMySQL's named ones
+            cursor.execute(f"{explain} {compiled}", params)
+        rows = cursor.fetchall()
+    if kind == "mariadb":
+        names = [d[0] for d in cursor.description]
+        return "\n".join(str(dict(zip(names, row, strict=True))) for row in rows)
+    return "\n".join(str(row[-1] if kind == "sqlite" else row[0]) for row in rows)
+
+
+@pytest.mark.parametrize("kind", SQL_KINDS)
+def test_both_halves_are_index_range_scans_of_sends_at(kind: str) -> None:
+    """Many records with nothing due (receipts due later, given up, sends recorded 'later',
+    plain completions): each half of the relay's one statement reads the ``sends_at`` index up
+    to now (PostgreSQL: its clock read once), never every record."""
+    url = {"postgresql": POSTGRES_URL, "mariadb": MARIADB_URL}.get(kind)
+    if url is None:
+        url = f"sqlite:///{tempfile.mkdtemp()}/plan.db"
+    else:
+        require_service(kind)
+    store: Any = taskonce.open_store(url, table=f"t_{uuid.uuid4().hex[:10]}")
     try:
         store.create_tables()
+        _fill(store, kind)
         table = store._table_label
-        with store.engine.begin() as connection:
-            connection.exec_driver_sql(
-                f"INSERT INTO {table} (key, status, created_at, lease_until, expires_at, "
-                "receipts, receipts_at) SELECT 'q:' || g, 'completed', 0, 0, 1e10, '[]', "
-                "CASE WHEN g %% 10 = 0 THEN extract(epoch from now()) + 3600 + g END "
-                "FROM generate_series(1, 50000) AS g"
-            )
-            connection.exec_driver_sql(f"ANALYZE {table}")
-        compiled = store._sql.due_for_relay.compile(store.engine)
-        params = compiled.construct_params({"p_age": 0.0, "p_limit": 100})
-        with store.engine.connect() as connection:
-            cursor = connection.connection.driver_connection.cursor()
-            cursor.execute(f"EXPLAIN {compiled}", params)
-            plan = "\n".join(row[0] for row in cursor.fetchall())
-        assert f"Index Scan using ix_{table}_receipts_at" in plan, plan
-        assert "Index Cond: (receipts_at <=" in plan, plan
-        assert f"Seq Scan on {table}" not in plan, plan
+        index = f"ix_{table}_sends_at"
+        plan = _plan(store, kind)
+        if kind == "postgresql":
+            assert plan.count(f"Index Scan using {index}") == 2, plan
+            assert plan.count("Index Cond: (sends_at <=") == 2, plan
+            assert f"Seq Scan on {table}" not in plan, plan
+        elif kind == "mariadb":
+            scans = [line for line in plan.splitlines() if f"'table': '{table}'" in line]
+            assert len(scans) == 2, plan
+            for line in scans:
+                assert f"'key': '{index}'" in line and "'type': 'range'" in line, plan
+        else:
+            assert plan.count(f"USING INDEX {index} (sends_at<?)") == 2, plan
+            assert f"SCAN {table}" not in plan, plan
         assert store.due_for_relay() == taskonce.stores.base.DueForRelay([], [])
+        assert store.stats()["receipts_awaited"] == 5000
+        assert store.stats()["sends_pending"] == 5000
     finally:
         drop_store(store)
 
 
-def test_a_table_of_the_previous_version_gains_the_receipts_columns(tmp_path: Any) -> None:
-    """A keys table made before receipts existed gets the two columns and the index on first
-    use, and works."""
+def test_a_table_of_the_previous_version_gains_the_receipts_column(tmp_path: Any) -> None:
+    """A keys table made before receipts existed gets the one column on first use (no index:
+    the due time is ``sends_at``), and works."""
     url = f"sqlite:///{tmp_path}/old.db"
     engine = sa.create_engine(url)
     with engine.begin() as connection:
@@ -276,15 +375,18 @@ def test_a_table_of_the_previous_version_gains_the_receipts_columns(tmp_path: An
             "VARCHAR(255), sends TEXT, sends_token VARCHAR(64), sends_at FLOAT, sends_lease "
             "FLOAT)"
         )
+        connection.exec_driver_sql(
+            "CREATE INDEX ix_taskonce_keys_sends_at ON taskonce_keys (sends_at)"
+        )
     engine.dispose()
     store = taskonce.open_store(url)
     try:
         awaiting(store, "q:a", 0.0)
         assert store.due_for_relay().receipts == ["q:a"]
         inspector = sa.inspect(store.engine)  # type: ignore[attr-defined]
-        columns = {c["name"] for c in inspector.get_columns("taskonce_keys")}
-        assert {"receipts", "receipts_at"} <= columns
+        columns = [c["name"] for c in inspector.get_columns("taskonce_keys")]
+        assert columns[-1] == "receipts" and "receipts_at" not in columns
         indexes = {i["name"]: i["column_names"] for i in inspector.get_indexes("taskonce_keys")}
-        assert indexes["ix_taskonce_keys_receipts_at"] == ["receipts_at"]
+        assert indexes == {"ix_taskonce_keys_sends_at": ["sends_at"]}
     finally:
         store.close()

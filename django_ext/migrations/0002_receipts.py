@@ -1,6 +1,6 @@
-"""The receipts' columns on ``taskonce_keys`` (published sends awaiting their receipts, and when
-the relay looks for them) and their index, with the same DDL as ``taskonce init-db`` (a table
-that has them already is kept as it is)."""
+"""The receipts' column on ``taskonce_keys``: published sends awaiting their receipts (their due
+time is ``sends_at``, under its index already), with the same DDL as ``taskonce init-db`` (a
+table that has it already is kept as it is)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from django.db import migrations, models
 
-COLUMNS = ("receipts", "receipts_at")
+COLUMNS = ("receipts",)
 
 
 def add(apps: Any, schema_editor: Any) -> None:
@@ -32,9 +32,6 @@ class Migration(migrations.Migration):
             state_operations=[
                 migrations.AddField(
                     model_name="record", name="receipts", field=models.TextField(null=True)
-                ),
-                migrations.AddField(
-                    model_name="record", name="receipts_at", field=models.FloatField(null=True)
                 ),
             ],
         )

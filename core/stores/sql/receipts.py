@@ -2,9 +2,11 @@
 lease on a record's awaited receipts, their write-back, the receipts themselves (whether the
 receivers' records exist) and the relay's work, each judged by the database's clock.
 
-A record awaiting receipts keeps them in ``receipts`` and its due time in ``receipts_at``
-(indexed, NULL when none is awaited); the relay's lease on them uses the dispatch token and
-lease columns, which such a record does not otherwise use (its sends were published).
+A record awaiting receipts is ``completed`` and keeps them in ``receipts``, its due time in
+``sends_at`` (the relay's index; NULL once the rest were given up on, the entries kept for
+``taskonce inspect``); the relay's lease on them uses the dispatch token and lease columns. A
+record has sends pending (``sending``) or awaits receipts, never both, so these columns, free
+once its sends were published, serve the receipts.
 """
 
 from __future__ import annotations

@@ -14,11 +14,12 @@ The keys table::
     worker       VARCHAR(255) NULL           -- the claim owner's worker identity
     sends        TEXT         NULL           -- the hand-off: a JSON array of the sends' texts
     sends_token  VARCHAR(64)  NULL           -- their dispatch token
-    sends_at     DOUBLE       NULL           -- when they were recorded (indexed: the relay)
+    sends_at     DOUBLE       NULL           -- the relay's due time (indexed): when pending
+                                             -- sends were recorded, or when awaited receipts
+                                             -- are looked for; NULL otherwise
     sends_lease  DOUBLE       NULL           -- a dispatcher's (or a relay's) lease runs until
-    receipts     TEXT         NULL           -- published sends awaiting their receipts (JSON)
-    receipts_at  DOUBLE       NULL           -- when the relay looks for them (indexed); NULL
-                                             -- when none is awaited (given up: kept for inspect)
+    receipts     TEXT         NULL           -- published sends awaiting their receipts (JSON),
+                                             -- or given up on (sends_at NULL: kept for inspect)
 
 and, next to it, the worker processes' liveness records (``<table>_live``)::
 
@@ -27,8 +28,11 @@ and, next to it, the worker processes' liveness records (``<table>_live``)::
     alive_until  DOUBLE       NOT NULL       -- seen_at + the liveness window
 
 A record has sends pending or awaits receipts (:mod:`taskonce.receipts`), never both, so the
-two share the dispatch token and lease columns. A keys table created before the ``worker``
-column (or the hand-off's, or the receipts') existed gains it on first use.
+two share the dispatch token, due time and lease columns, and one index serves both halves of
+the relay's work. ``status`` tells them apart: ``'sending'`` with ``sends_at`` set means sends
+pending; ``'completed'`` with ``sends_at`` set means receipts awaited (``receipts`` set). A
+record replacing an expired one starts with all of them NULL. A keys table created before the
+``worker`` column (or the hand-off's, or the receipts') existed gains it on first use.
 """
 
 from __future__ import annotations
@@ -92,15 +96,13 @@ def parse_table(table: str) -> tuple[str | None, str]:
     return match.group("schema"), match.group("name")
 
 
-def index_name(name: str, column: str = "expires_at") -> str:
-    """The name of keys table ``name``'s index on ``column`` (at most 63 characters)."""
-    candidate = f"ix_{name}_{column}"
+def index_name(name: str) -> str:
+    """The name of keys table ``name``'s index on ``expires_at`` (at most 63 characters)."""
+    candidate = f"ix_{name}_expires_at"
     if len(candidate) <= 63:
         return candidate
     digest = hashlib.sha1(name.encode(), usedforsecurity=False).hexdigest()[:8]
-    # ix_ + name + _ + digest + _ + column in 63 characters (40 of the name for expires_at,
-    # as before the column argument)
-    return f"ix_{name[: 50 - len(column)]}_{digest}_{column}"
+    return f"ix_{name[:40]}_{digest}_expires_at"
 
 
 def live_name(name: str) -> str:
@@ -147,30 +149,23 @@ def make_table(metadata: sa.MetaData, name: str, schema: str | None, **dialect_k
         sa.Column("sends_token", sa.String(MAX_TOKEN_LENGTH), nullable=True),
         sa.Column("sends_at", sa.Double(), nullable=True),
         sa.Column("sends_lease", sa.Double(), nullable=True),
-        # Receipts (taskonce.receipts): published sends awaiting them, and when to look. NULL
-        # on every other record, so they cost a row almost nothing.
+        # Receipts (taskonce.receipts): published sends awaiting them (their due time is
+        # sends_at, free once the sends were published). NULL on every other record, so it
+        # costs a row a bit of its null bitmap and no index entry.
         sa.Column("receipts", result_type, nullable=True),
-        sa.Column("receipts_at", sa.Double(), nullable=True),
         schema=schema,
         **dialect_kw,
     )
     sa.Index(index_name(name), table.c.expires_at)
-    # Only records with sends pending have a sends_at (the relay's index): PostgreSQL and
-    # SQLite index just those; MariaDB/MySQL have no partial indexes and index every row.
-    pending = table.c.sends_at.isnot(None)
+    # Only records with sends pending or receipts awaited have a sends_at (the relay's index,
+    # both halves): PostgreSQL and SQLite index just those; MariaDB/MySQL have no partial
+    # indexes and index every row (one index, not two: issue 31's bytes per row).
+    relayed = table.c.sends_at.isnot(None)
     sa.Index(
         index_name(name).replace("expires_at", "sends_at"),
         table.c.sends_at,
-        postgresql_where=pending,
-        sqlite_where=pending,
-    )
-    # The relay's receipts index, partial as the sends' one: only records awaiting receipts.
-    awaited = table.c.receipts_at.isnot(None)
-    sa.Index(
-        index_name(name, "receipts_at"),
-        table.c.receipts_at,
-        postgresql_where=awaited,
-        sqlite_where=awaited,
+        postgresql_where=relayed,
+        sqlite_where=relayed,
     )
     return table
 

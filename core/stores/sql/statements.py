@@ -51,7 +51,7 @@ class _Binds:
         self.age = sa.bindparam("p_age", type_=_DOUBLE)
         self.send_lease = sa.bindparam("p_send_lease", type_=_DOUBLE)
         self.entries = sa.bindparam("p_entries", type_=sa.Text())
-        self.due = sa.bindparam("p_due", type_=_DOUBLE)  # None: out of the receipts index
+        self.due = sa.bindparam("p_due", type_=_DOUBLE)  # None: out of the relay's index
         self.hold = sa.bindparam("p_hold", type_=_DOUBLE)
         self.limit = sa.bindparam("p_limit", type_=sa.Integer())
         self.in_progress = sa.literal(Stored.IN_PROGRESS.value, sa.String())
@@ -69,19 +69,28 @@ class _Binds:
             "sends_lease": self.now + self.send_lease,
         }
 
-    def no_receipts(self) -> dict[str, Any]:
-        """The columns that replacing an expired record clears: its receipts (a new record
-        awaits none)."""
-        return {"receipts": sa.null(), "receipts_at": sa.null()}
+    def cleared(self) -> dict[str, Any]:
+        """The hand-off's and the receipts' columns, all NULL: what replacing an expired record
+        writes (a new record has no sends pending and awaits no receipts; it must not keep an
+        old ``sends_at``, which would read as a due time of the relay) and what clearing the
+        receipts writes."""
+        return {
+            "sends": sa.null(),
+            "sends_token": sa.null(),
+            "sends_at": sa.null(),
+            "sends_lease": sa.null(),
+            "receipts": sa.null(),
+        }
 
     def awaiting(self, expires_at: sa.ColumnElement[float]) -> dict[str, Any]:
-        """The columns a write of awaited receipts sets (``p_entries``, due ``p_due`` seconds
-        from now, NULL when None: NULL arithmetic keeps it out of the index), the lease let
-        go, the record kept at least ``p_hold`` seconds from now."""
+        """The columns a write of awaited receipts sets on a ``completed`` record:
+        ``p_entries``, due ``p_due`` seconds from now in ``sends_at`` (NULL when None: NULL
+        arithmetic keeps it out of the relay's index; the entries stay, given up on), the
+        lease let go, the record kept at least ``p_hold`` seconds from now."""
         held = self.now + self.hold
         return {
             "receipts": self.entries,
-            "receipts_at": self.now + self.due,
+            "sends_at": self.now + self.due,
             "sends_token": sa.null(),
             "sends_lease": sa.null(),
             "expires_at": sa.case((expires_at >= held, expires_at), else_=held),
@@ -168,6 +177,7 @@ class Statements:
             self.lease_remaining.label("lease_remaining"),
             b.now.label("db_now"),
             c.worker,
+            c.receipts,  # a duplicate's answer shows what its record awaits (None: nothing)
         ).where(c.key == b.key)
         # An expired record (mark or claim) counts as absent: replace it wholesale, provided
         # it is still the record that was read and still expired.
@@ -179,7 +189,7 @@ class Statements:
                 c.owner.is_not_distinct_from(b.seen_owner),
                 c.expires_at <= b.now,
             )
-            .values(**claimed, **b.no_receipts())
+            .values(**claimed, **b.cleared())
         )
         # A live record whose claim's lease ran out: take it over (created_at is kept).
         self.claim_take_over = (
@@ -281,7 +291,7 @@ class Statements:
         self.mark_replace_expired = (
             sa.update(table)
             .where(c.key == b.key, c.expires_at <= b.now)
-            .values(**marked, **b.no_receipts(), worker=sa.null())
+            .values(**marked, **b.cleared(), worker=sa.null())
         )
         self.mark_insert_sends = self._insert_if_absent(
             table, {"key": b.key, **marked, **b.with_sends()}
@@ -335,7 +345,14 @@ class Statements:
         receipts when due, read them, write back what still awaits or clear them; whether
         records exist (the receipts themselves); and the relay's work in one statement."""
         b, c = self._b, table.c
-        due = sa.and_(c.key == b.key, c.receipts_at.is_not(None), c.receipts_at <= b.now)
+        # Awaited receipts: a completed record (pending sends are 'sending') with receipts,
+        # due by sends_at; given up on, sends_at is NULL and the comparison is never true.
+        due = sa.and_(
+            c.key == b.key,
+            c.status == b.completed,
+            c.receipts.is_not(None),
+            c.sends_at <= b.now,
+        )
         # The dispatch token and lease columns: a record awaiting receipts has no sends pending.
         self.take_receipts = (
             sa.update(table)
@@ -349,28 +366,30 @@ class Statements:
             c.receipts,
             c.sends_token,
             sa.func.coalesce(c.sends_lease, b.zero) - b.now,
-            b.now - c.receipts_at,
+            b.now - c.sends_at,
         ).where(due)
         fence = (c.key == b.key, c.receipts.is_not(None), c.sends_token == b.token)
         self.settle_receipts = sa.update(table).where(*fence).values(b.awaiting(c.expires_at))
-        self.clear_receipts = (
-            sa.update(table)
-            .where(*fence)
-            .values(**b.no_receipts(), sends_token=sa.null(), sends_lease=sa.null())
-        )
+        self.clear_receipts = sa.update(table).where(*fence).values(b.cleared())
         keys = sa.bindparam("p_keys", expanding=True, type_=sa.String())
         self.have_records = sa.select(c.key).where(c.key.in_(keys), c.expires_at > b.now)
         self.due_for_relay = self._due_for_relay(table)
 
     def _due_for_relay(self, table: sa.Table) -> sa.Executable:
         """Both halves of the relay's work in one statement: ``UNION ALL`` of two derived
-        tables, each ``ORDER BY … LIMIT`` on its own index (the sends' and the receipts'), tagged
-        ``s``/``r``. Derived tables because SQLite allows neither parentheses nor ``LIMIT`` on
-        a compound's members; the union's order is not relied on (the caller sorts by ``at``).
+        tables, each ``ORDER BY sends_at … LIMIT`` on the one ``sends_at`` index, tagged
+        ``s``/``r`` and told apart by ``status`` (``sending``: sends pending, recorded at
+        ``sends_at``; ``completed``: receipts awaited, due at ``sends_at``). Derived tables
+        because SQLite allows neither parentheses nor ``LIMIT`` on a compound's members; the
+        union's order is not relied on (the caller sorts by ``at``).
+
+        Each half's range scan also passes the other half's due rows, filtered by ``status``:
+        both kinds leave the range as soon as the relay gets to them (published, or looked at
+        and due again later), so few are ever due at once.
 
         On PostgreSQL the clock is read once in a scalar subquery: ``clock_timestamp()`` is
         volatile, and a volatile bound can only filter an index scan, not bound it (the scan
-        would read every record awaiting receipts to find the few that are due)."""
+        would read every record of the index to find the few that are due)."""
         b, c = self._b, table.c
         now: sa.ColumnElement[float] = b.now
         if self.family == "postgresql":
@@ -383,9 +402,9 @@ class Statements:
             .subquery("due_sends")
         )
         receipts = (
-            sa.select(sa.literal_column("'r'").label("kind"), c.key, c.receipts_at.label("at"))
-            .where(c.receipts_at <= now)
-            .order_by(c.receipts_at)
+            sa.select(sa.literal_column("'r'").label("kind"), c.key, c.sends_at.label("at"))
+            .where(c.status == b.completed, c.receipts.is_not(None), c.sends_at <= now)
+            .order_by(c.sends_at)
             .limit(b.limit)
             .subquery("due_receipts")
         )
@@ -419,20 +438,25 @@ class Statements:
             return sa.func.coalesce(sa.func.sum(sa.case((condition, 1), else_=0)), 0)
 
         alive = c.expires_at > b.now
+        # awaited: due some time (given up on: sends_at NULL); pending sends are 'sending'
+        awaited = sa.and_(alive, c.status == b.completed, c.sends_at.is_not(None))
         self.stats = sa.select(
             count(alive).label("keys"),
             count(sa.and_(alive, c.status == b.in_progress)).label("in_progress"),
             count(sa.and_(alive, c.status != b.in_progress)).label("completed"),
             count(c.expires_at <= b.now).label("expired"),
             count(c.status == b.sending).label("sends_pending"),
-            count(sa.and_(alive, c.receipts_at.is_not(None))).label("receipts_awaited"),
+            count(awaited).label("receipts_awaited"),
         )
 
     def purge(self, batch: int) -> sa.Executable:
         """Delete at most ``batch`` expired rows (the expiry is re-checked on the deleted rows,
         so a row re-claimed meanwhile survives)."""
         c = self._table.c
-        # A record whose sends are pending is kept until the relay publishes them.
+        # A record whose sends are pending is kept until the relay publishes them. A record
+        # awaiting receipts is not: it is kept at least its hold while awaited (dispatched and
+        # settle_receipts extend its expiry), so one expired all the same (a relay away longer
+        # than that) is purged like any expired record, its receipts no longer looked for.
         expired = sa.and_(c.expires_at <= self.now, c.status != Stored.SENDING.value)
         if self.family == "mysql":
             # MariaDB/MySQL refuse LIMIT inside IN (subquery) but allow DELETE … LIMIT, which
