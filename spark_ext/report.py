@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from taskonce.spark_ext.semantics import (
     ADVISE,
     GAP_BUCKETS,
-    METRIC_FIELDS,
     advice_text,
     human_bytes,
     human_duration,
@@ -64,136 +63,28 @@ def write_outputs(
 ) -> None:
     """Write every output of ``result`` into ``out``; ``report.json`` is written last (through
     a temporary file and a rename), so a reader never sees a half-written one."""
+    from taskonce.spark_ext.tables import start_tables
+
     folder = clear_outputs(out)
-    write_tables(spark, result, folder / "tables")
+    # the Parquet tables are Spark jobs, written in threads while this one draws the charts
+    tables = start_tables(spark, result, folder / "tables")
     images: dict[str, Path] = {}
-    if charts:
-        try:
-            from taskonce.spark_ext.charts import draw_charts
-        except ImportError as exc:  # matplotlib is in the "spark" extra
-            logger.warning("no charts: %s (pip install 'taskonce[spark]')", exc)
-        else:
-            images = draw_charts(result, folder / "charts")
+    try:
+        if charts:
+            try:
+                from taskonce.spark_ext.charts import draw_charts
+            except ImportError as exc:  # matplotlib is in the "spark" extra
+                logger.warning("no charts: %s (pip install 'taskonce[spark]')", exc)
+            else:
+                images = draw_charts(result, folder / "charts")
+    finally:
+        tables.wait()
     (folder / "report.md").write_text(render_markdown(result, images), encoding="utf-8")
     (folder / "report.html").write_text(render_html(result, images), encoding="utf-8")
     partial = folder / "report.json.tmp"
     partial.write_text(json.dumps(result.report, indent=2) + "\n", encoding="utf-8")
     os.replace(partial, folder / "report.json")
     logger.info("audit outputs written to %s", folder)
-
-
-def write_tables(spark: SparkSession, result: AuditResult, folder: Path) -> None:
-    """The Parquet tables: small ones from the collected figures, large ones straight from
-    Spark (never through the driver)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    uri = folder.resolve().as_uri()
-    _write_scope_tables(spark, result, uri)
-    _write_what_if(spark, result, uri)
-    for name in ("duplicates", "leaks", "stuck_claims", "timeline"):
-        result.tables[name].write.mode("overwrite").parquet(f"{uri}/{name}")
-
-
-def _write_scope_tables(spark: SparkSession, result: AuditResult, uri: str) -> None:
-    """The ``metrics`` (one row per scope) and ``gap_buckets`` (per scope and bucket) tables."""
-    from pyspark.sql.types import (
-        DoubleType,
-        LongType,
-        StringType,
-        StructField,
-        StructType,
-    )
-
-    metric_fields = [
-        StructField("scope", StringType(), False),
-        StructField("name", StringType(), False),
-    ]
-    for field in METRIC_FIELDS:
-        kind = DoubleType() if field.startswith("gap_") else LongType()
-        metric_fields.append(StructField(field, kind, False))
-    metric_fields += [
-        StructField("events", LongType(), False),
-        StructField("duplicates", LongType(), False),
-        StructField("duplicate_rate", DoubleType(), False),
-        StructField("leaked_runs", LongType(), False),
-        StructField("keep_for_in_force_s", DoubleType(), True),
-    ]
-    metric_rows = []
-    bucket_rows = []
-    for scope, name, metrics, detail in _scope_rows(result):
-        metric_rows.append(
-            (
-                scope,
-                name,
-                *[metrics[field] for field in METRIC_FIELDS],
-                detail["events"],
-                detail["duplicates"],
-                float(detail["duplicate_rate"]),
-                detail["leaked_runs"],
-                detail["keep_for_in_force_s"],
-            )
-        )
-        for label, _ in GAP_BUCKETS:
-            bucket_rows.append((scope, name, label, detail["buckets"][label]))
-    spark.createDataFrame(metric_rows, StructType(metric_fields)).coalesce(1).write.mode(
-        "overwrite"
-    ).parquet(f"{uri}/metrics")
-    spark.createDataFrame(
-        bucket_rows,
-        StructType(
-            [
-                StructField("scope", StringType(), False),
-                StructField("name", StringType(), False),
-                StructField("bucket", StringType(), False),
-                StructField("count", LongType(), False),
-            ]
-        ),
-    ).coalesce(1).write.mode("overwrite").parquet(f"{uri}/gap_buckets")
-
-
-def _write_what_if(spark: SparkSession, result: AuditResult, uri: str) -> None:
-    """The ``what_if`` table: one row per simulated window, a bytes column per store."""
-    from pyspark.sql.types import (
-        DoubleType,
-        LongType,
-        StructField,
-        StructType,
-    )
-
-    stores = sorted(result.info["bytes_per_key"])
-    what_if_schema = StructType(
-        [
-            StructField("keep_for_s", DoubleType(), False),
-            StructField("suppressed", LongType(), False),
-            StructField("leaked", LongType(), False),
-            StructField("store_keys", LongType(), False),
-            *[StructField(f"store_bytes_{_slug(name)}", LongType(), False) for name in stores],
-        ]
-    )
-    what_if_rows = [
-        (
-            float(row["keep_for_s"]),
-            row["suppressed"],
-            row["leaked"],
-            row["store_keys"],
-            *[row["store_bytes"][name] for name in stores],
-        )
-        for row in result.what_if
-    ]
-    spark.createDataFrame(what_if_rows, what_if_schema).coalesce(1).write.mode("overwrite").parquet(
-        f"{uri}/what_if"
-    )
-
-
-def _slug(name: str) -> str:
-    return "".join(ch if ch.isalnum() else "_" for ch in name.lower())
-
-
-def _scope_rows(result: AuditResult) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
-    rows = [("overall", "", result.report["overall"], result.details["overall"])]
-    for scope, plural in (("queue", "queues"), ("task", "tasks")):
-        for name, metrics in result.report[plural].items():
-            rows.append((scope, name, metrics, result.details[f"{scope}:{name}"]))
-    return rows
 
 
 # -- the readable reports -----------------------------------------------------------------
