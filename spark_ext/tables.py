@@ -10,6 +10,7 @@ charts meanwhile.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,12 +53,13 @@ def start_tables(spark: SparkSession, result: AuditResult, folder: Path) -> Pend
         lambda: _write_what_if(spark, result, uri),
     ]
     for name in ("duplicates", "leaks", "stuck_claims", "timeline"):
-        frame = result.tables[name]
-        jobs.append(
-            lambda frame=frame, name=name: frame.write.mode("overwrite").parquet(f"{uri}/{name}")
-        )
+        jobs.append(functools.partial(_write_table, result.tables[name], f"{uri}/{name}"))
     pool = concurrent.futures.ThreadPoolExecutor(TABLE_THREADS, thread_name_prefix="audit-table")
     return PendingTables(pool, [pool.submit(job) for job in jobs])
+
+
+def _write_table(frame: Any, path: str) -> None:
+    frame.write.mode("overwrite").parquet(path)
 
 
 def write_tables(spark: SparkSession, result: AuditResult, folder: Path) -> None:
