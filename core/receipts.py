@@ -30,6 +30,7 @@ retry waiting out its countdown is not taken for a lost message.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -125,8 +126,9 @@ class Entry:
             data["unconfirmed"] = True
         return data
 
-    @property
+    @functools.cached_property
     def within(self) -> float:
+        """The sender's ``confirm_within`` for this send (read from it once)."""
         return Send.from_json(self.send).within
 
     def rest(self, remaining: float) -> float:
