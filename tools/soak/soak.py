@@ -499,8 +499,8 @@ class Soak:
 
     def run(self) -> dict[str, Any]:
         options = self.options
-        self.setup()
         try:
+            self.setup()  # inside: a worker that fails to start leaves no server running
             keys = [f"k{i:06d}" for i in range(options.messages)]
             pending = list(keys)
             begin = time.monotonic()
