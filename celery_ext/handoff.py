@@ -1,7 +1,7 @@
 """The hand-off for Celery: what a guarded task sends is captured, recorded with its outcome and
 published after it (see docs/handoff.md).
 
-Three pieces, each a translation; the guard decides everything else:
+Each piece is a translation; the guard decides everything else:
 
 - :func:`install` wraps the app's ``send_task`` — where ``.delay``, ``apply_async``, signatures,
   groups and a chord's header all end up. While :func:`taskonce.handoff.current` returns a
@@ -12,13 +12,18 @@ Three pieces, each a translation; the guard decides everything else:
 - :func:`capture_links` captures the ``link`` callbacks and the next ``chain`` step, which
   Celery's tracer would publish after the body returns, and clears them from the request so the
   tracer does not.
+- :func:`capture_chord_part` reports a chord header task's success to the result backend
+  inside the capture, so the chord body the backend publishes after the last header task is a
+  send of that task's run, under the body's frozen id.
+- :func:`replaced` hands a run that replaces itself over (:mod:`taskonce.replace`): what it
+  sent before ``self.replace()`` is recorded apart and published after the replacement.
 - :func:`publisher` re-creates each stored send with ``app.send_task`` under its id; the guard
   calls it after the outcome is recorded, on a redelivery and from the relay.
 
 Never captured (they run outside the capture or inside :func:`taskonce.send_now`): the retry
-message of ``self.retry()``/``autoretry_for``, ``replace()``, the guard's own re-deliveries,
-``link_error`` callbacks (the failure path) and the chord body that the result backend publishes
-when the last header task finishes.
+message of ``self.retry()``/``autoretry_for``, the replacement message of ``replace()`` (it
+carries the task's own id), the guard's own re-deliveries and ``link_error`` callbacks (the
+failure path).
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from celery.canvas import Signature
+from celery.exceptions import Ignore
 from kombu.utils import json as kombu_json
 
-from taskonce import handoff
+from taskonce import handoff, replace
 from taskonce.celery_ext.routing import stamped_queues
 from taskonce.errors import ConfigError
-from taskonce.guard import Guard
+from taskonce.guard import Guard, Ticket
 from taskonce.handoff import Receipt, Send
 from taskonce.keys import make_key
 
@@ -181,6 +187,56 @@ def restore_links(request: Any, links: tuple[Any, Any]) -> None:
         request.callbacks = callbacks
     if chain is not None:
         request.chain = chain
+
+
+def capture_chord_part(task: Any, request: Any, retval: Any) -> None:
+    """Report a successful chord header task to the result backend inside the capture: the
+    chord body the backend publishes when this is the last header task to finish is then a
+    send of this run, under the id the chord froze for it, recorded with this outcome and
+    published after it. Without this the tracer reports it from ``mark_as_done`` after the
+    record, where a worker that dies in between leaves the chord without its body (the
+    redelivery is skipped as a duplicate).
+
+    Celery's own order is kept — the result stored, then ``on_chord_part_return`` (a header of
+    groups joins the stored results) — and ``request.chord`` is cleared so the tracer does not
+    report the part a second time. A backend without chord support in the worker (the
+    database backend: ``celery.chord_unlock`` publishes the body, captured where the chord was
+    applied) does nothing here."""
+    if not request.chord:
+        return
+    ignore = getattr(request, "ignore_result", None)
+    ignore = task.ignore_result if ignore is None else ignore
+    task.backend.mark_as_done(request.id, retval, request, not ignore)
+    request.chord = None
+
+
+def replaced_depth(request: Any) -> int:
+    """How deeply this message replaces a task of its id (Celery's ``replaced_task_nesting``;
+    0 for a message that replaces nothing): :attr:`taskonce.Delivery.replaced`."""
+    value = getattr(request, "replaced_task_nesting", 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def replaced(guard: Guard, ticket: Ticket, publish: Callable[[], T]) -> T:
+    """``self.replace(sig)`` of a guarded run (:mod:`taskonce.replace`): record what the body
+    sent so far and release the claim, ``publish()`` the replacement (Celery's ``replace``:
+    ``Ignore`` once it is published, its value in an eager run), then publish those sends; if
+    the replacement could not be published, withdraw them."""
+    handover = replace.hand_over(guard, ticket)
+    try:
+        with handoff.send_now():  # the replacement carries this task's id: not a deferred send
+            value = publish()
+    except Ignore:
+        if handover is not None:
+            replace.dispatch(guard, handover)
+        raise
+    except BaseException:
+        if handover is not None:
+            replace.withdraw(guard, handover)
+        raise
+    if handover is not None:
+        replace.dispatch(guard, handover)
+    return value
 
 
 def publisher(app: Any) -> Callable[[Send], Receipt | None]:

@@ -24,6 +24,7 @@ from celery.signals import task_postrun
 
 from taskonce import handoff
 from taskonce.action import Action, Do, after, before
+from taskonce.celery_ext import handoff as celery_handoff
 from taskonce.celery_ext.config import (
     AppState,
     app_state,
@@ -32,7 +33,6 @@ from taskonce.celery_ext.config import (
     refuse_start,
     worker_starting,
 )
-from taskonce.celery_ext.handoff import capture_links, restore_links
 from taskonce.celery_ext.routing import QUEUE_HEADER, delivery_queue
 from taskonce.errors import ConfigError, InProgressElsewhere
 from taskonce.guard import Delivery, Guard, Ticket
@@ -215,6 +215,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             redelivered=_redelivered(request),
             override=self._policy(call.state, call.guard, call.queue, request),
             deferred=_deferred(request),
+            replaced=celery_handoff.replaced_depth(request),
         )
 
     def _body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -244,7 +245,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 if ticket.capture is not None and not call.eager and request.id not in _HELD:
                     # The tracer publishes these after we return, i.e. after the record: they
                     # are part of this outcome's sends instead.
-                    call.links = capture_links(self, request, result)
+                    call.links = celery_handoff.capture_links(self, request, result)
+                    celery_handoff.capture_chord_part(self, request, result)
             except BaseException as exc:
                 active.release(exc)
                 raise
@@ -392,7 +394,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         queue after ``delay`` seconds, then acknowledge this delivery with ``Ignore``.
         ``deferred``: the guard's deferrals of it so far, carried in :data:`DEFERRED_HEADER`."""
         request = call.request
-        restore_links(request, call.links)  # taken into the capture: the copy carries them on
+        celery_handoff.restore_links(request, call.links)  # the copy carries them on
         options: dict[str, Any] = {"queue": call.queue, "countdown": max(delay, 0.0)}
         if deferred:
             headers = request.headers if isinstance(request.headers, Mapping) else {}
@@ -485,11 +487,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
         publish_held_retry(task_id)
 
     def replace(self, sig: Any) -> Any:
-        """Celery's :meth:`~celery.Task.replace`, after releasing this delivery's claim: the
-        replacement carries the same task id and must be able to claim it."""
-        self._release_active()
-        with send_now():  # the replacement carries this task's id: not a deferred send
-            return super().replace(sig)
+        """Celery's :meth:`~celery.Task.replace`, handing this delivery over: its claim released,
+        its sends so far published after the replacement (:func:`.handoff.replaced`)."""
+        active, publish = _ACTIVE.get(), functools.partial(super().replace, sig)
+        if active is None or active.settled or active.ticket.delivery.message_id != self.request.id:
+            with send_now():  # the replacement carries this task's id: not a deferred send
+                return publish()
+        active.settled = True  # the replacement's claim: not a release of this run
+        return celery_handoff.replaced(active.guard, active.ticket, publish)
 
     def apply(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         """Celery's :meth:`~celery.Task.apply` (eager execution); a ``queue=`` option (as

@@ -18,7 +18,7 @@ from taskonce.errors import (
 )
 from taskonce.events import EventSink, JsonlEvents, LoggingEvents
 from taskonce.guard import Decision, Delivery, Guard, Outcome, Ticket
-from taskonce.handoff import Send, send_now
+from taskonce.handoff import Receipt, Send, send_now
 from taskonce.outbox import send_on_commit
 from taskonce.policy import Policy
 from taskonce.session import current_session
@@ -43,6 +43,7 @@ __all__ = [
     "PayloadMismatch",
     "Policy",
     "PrometheusEvents",
+    "Receipt",
     "Record",
     "Send",
     "SendRefused",

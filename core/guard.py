@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from taskonce import worker
+from taskonce import receipts, worker
 from taskonce.dispatch import RECORDER_HOLD, Dispatcher
 from taskonce.errors import (
     ConfigError,
@@ -433,6 +433,7 @@ class Guard:
             self._emit(Event.SENDS_DISCARDED, ticket, count=len(sends))
         close_session(ticket)
         self._release(ticket)
+        receipts.note_failure(self.store, ticket.key, ticket.policy.keep_for)
 
     def _release(self, ticket: Ticket) -> None:
         """Release an eager run's claim so that a retry can claim the key again."""

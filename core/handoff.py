@@ -87,6 +87,14 @@ Publisher = Callable[[Send], "Receipt | None"]
 :class:`Receipt` when its receiver is guarded on the same store, else None (nothing to await)."""
 
 
+def id_base(key: str, replaced: int = 0) -> str:
+    """What the ids of a handler's sends derive from (:func:`derive_id`): its key, and for a
+    message that replaces an earlier task of the same id (Celery's ``self.replace()``, ``replaced``
+    levels deep) the key and that depth, so the replacement's sends never take the ids of what
+    the replaced task sent before it."""
+    return key if replaced <= 0 else f"{key}\x00replaced:{replaced}"
+
+
 def derive_id(parent_key: str, ordinal: int) -> str:
     """A deterministic UUID string from the parent's key and the send's 0-based ordinal: a
     re-run of the same handler sends its children under the same ids."""
@@ -207,8 +215,9 @@ def start_capture(ticket: Ticket, send_limit: int) -> None:
     inside another guarded handler with ``defer_sends=False``, publish at once instead."""
     assert ticket.key is not None
     if ticket.policy.defer_sends:
+        base = id_base(ticket.key, ticket.delivery.replaced)
         ticket.capture = Capture(
-            ticket.key, ticket.delivery.task, send_limit, ticket.policy.confirm_within
+            base, ticket.delivery.task, send_limit, ticket.policy.confirm_within
         )
         ticket._capture_token = _capture.set(ticket.capture)
     elif _capture.get() is not None:
@@ -288,5 +297,6 @@ __all__ = [
     "capturing",
     "current",
     "derive_id",
+    "id_base",
     "send_now",
 ]

@@ -22,7 +22,9 @@ warning says so once per receiving queue. (:class:`~taskonce.Policy` refuses a
 No write on the receiver's path: its guard's ordinary record is the receipt. For a lazy receiver
 that record is the mark written after its handler, so ``confirm_within`` must exceed the time a
 message may wait in its queue plus the handler's run; an eager receiver's claim is written when
-it starts.
+it starts. A run that fails leaves no record of its key (the retry must be able to claim it), so
+the guard marks ``<key>~received`` then (:func:`note_failure`): a retry waiting out its
+countdown is not taken for a lost message.
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from taskonce.errors import StoreUnavailable
+from taskonce.errors import StoreUnavailable, TaskonceError
 from taskonce.events import Event, make_event
 from taskonce.handoff import Receipt, Send
 from taskonce.policy import RECEIPT_WINDOW
-from taskonce.stores.base import Awaiting
+from taskonce.stores.base import Awaiting, Store
 
 if TYPE_CHECKING:
     from taskonce.dispatch import Dispatcher
@@ -53,6 +55,28 @@ BACKOFF = 2.0
 #: A re-send that could not be published (broker down) is tried again after this many seconds,
 #: without counting as a try.
 RETRY_PUBLISH = 5.0
+#: A delivery whose handler failed leaves no record of its key (an eager claim is released for
+#: the retry; a lazy run marks nothing), yet it arrived: the guard marks its key with this
+#: suffix, and a receipt counts it. Otherwise a retry waiting out its countdown would look
+#: like a lost message, and each copy sent again would start a retry chain of its own.
+RECEIVED_SUFFIX = "~received"
+
+
+def received_key(key: str) -> str:
+    """The key the guard marks when a delivery of ``key`` failed (:data:`RECEIVED_SUFFIX`)."""
+    return f"{key}{RECEIVED_SUFFIX}"
+
+
+def note_failure(store: Store, key: str | None, keep_for: float) -> None:
+    """Mark :func:`received_key` of a delivery whose handler failed (on the failure path only:
+    one write per failed run, none on a run that succeeds). Best effort: a store that cannot
+    take it costs at most one needless copy of the message later."""
+    if key is None:
+        return
+    try:
+        store.mark(received_key(key), keep_for, None, None)
+    except (StoreUnavailable, TaskonceError) as exc:
+        logger.debug("could not note the failed delivery of %s (%s)", key, exc)
 
 
 def window(within: float, after: float = 0.0) -> float:
@@ -201,8 +225,9 @@ def look(dispatcher: Dispatcher, key: str) -> int:
     awaited = [e for e in entries if not e.unconfirmed]
     due = [e for e in awaited if e.at - lease.late <= 0]
     waiting = [(e.at - lease.late, e) for e in awaited if e.at - lease.late > 0]
-    seen = store.have_records([e.key for e in due]) if due else []
-    unseen = [e for e, found in zip(due, seen, strict=True) if not found]
+    found = store.have_records([k for e in due for k in (e.key, received_key(e.key))])
+    seen = [found[2 * i] or found[2 * i + 1] for i in range(len(due))]
+    unseen = [e for e, arrived in zip(due, seen, strict=True) if not arrived]
     published: list[Entry] = []
     failed = False
     for entry in unseen:

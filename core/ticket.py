@@ -44,6 +44,10 @@ class Delivery:
     :param deferred: how many times the guard deferred this copy before (the adapters count it
         on the copy they publish again): deferring it again is a re-check, not another
         duplicate, and its ``in_progress_deferred`` event says ``reason: "recheck"``.
+    :param replaced: how deeply this message replaces an earlier task of the same id (Celery's
+        ``self.replace()``; 0 for a message that replaces nothing): the ids of its sends derive
+        from its key *and* this, so they never collide with those of the task it replaced
+        (:func:`taskonce.handoff.id_base`).
     """
 
     message_id: str
@@ -54,6 +58,7 @@ class Delivery:
     redelivered: bool | None = None
     override: Policy | Mapping[str, Any] | None = None
     deferred: int = 0
+    replaced: int = 0
 
 
 @dataclasses.dataclass

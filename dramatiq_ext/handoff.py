@@ -2,17 +2,18 @@
 and enqueued after it (see docs/handoff.md).
 
 - :func:`install` wraps the broker's ``enqueue``, where ``send``, ``send_with_options``, the
-  next pipeline step and ``on_success`` callbacks all end up. While
+  next pipeline step, ``on_success`` callbacks and a group's completion callbacks all end up. While
   :func:`taskonce.handoff.current` returns a capture (a guarded actor runs with
   ``defer_sends``), the message is recorded as JSON instead of enqueued and the caller gets it
   back under the id fixed now: the message's own id when the caller built the message (a
   pipeline's steps, ``broker.enqueue(message)``), else — ``actor.send`` makes a random one — an
   id derived from the parent's key, the same on a re-run.
-- :class:`Finisher` records the outcome of a message with a next pipeline step or an
-  ``on_success`` callback *after* ``Pipelines`` and ``Callbacks`` have sent them (so they are
-  captured too): Dramatiq runs ``after_*`` hooks in reverse list order, and the finisher sits
-  first in ``broker.middleware``. Other messages are recorded as before, in the middleware's
-  own hook.
+- :class:`Finisher` records the outcome of a message with a next pipeline step, an
+  ``on_success`` callback or group completion callbacks *after* ``Pipelines``, ``Callbacks``
+  and ``GroupCallbacks`` have sent them (so they are captured too: the last member of a group
+  to finish sends its completion callbacks with its own outcome): Dramatiq runs ``after_*``
+  hooks in reverse list order, and the finisher sits first in ``broker.middleware``. Other
+  messages are recorded as before, in the middleware's own hook.
 - :func:`publisher` enqueues a stored send under its id; the guard calls it after the record,
   on a redelivery and from the relay.
 
@@ -139,8 +140,8 @@ class Finisher(Middleware):
     """Records a successful guarded delivery after every other ``after_process_message``.
 
     :class:`~taskonce.dramatiq_ext.IdempotencyMiddleware` adds it at the front of
-    ``broker.middleware`` itself; its ``after_*`` hook therefore runs last, after ``Pipelines``
-    and ``Callbacks`` have sent (into the capture) what follows a success.
+    ``broker.middleware`` itself; its ``after_*`` hook therefore runs last, after ``Pipelines``,
+    ``Callbacks`` and ``GroupCallbacks`` have sent (into the capture) what follows a success.
     """
 
     def __init__(self, owner: IdempotencyMiddleware) -> None:
@@ -161,11 +162,17 @@ class Finisher(Middleware):
 
 
 def sends_after_success(broker: Broker, message: MessageProxy) -> bool:
-    """Whether ``Pipelines`` or ``Callbacks`` will send something after ``message`` succeeds: a
-    next pipeline step or an ``on_success`` callback (message or actor option)."""
+    """Whether ``Pipelines``, ``Callbacks`` or ``GroupCallbacks`` may send something after
+    ``message`` succeeds: a next pipeline step, an ``on_success`` callback (message or actor
+    option), or a group's completion callbacks (enqueued by the member that completes the group,
+    whichever that is)."""
     msg = vars(message).get("_message", message)  # not through the proxy's __getattr__
     options = msg.options
-    if options.get("pipe_target") is not None or options.get("on_success"):
+    if (
+        options.get("pipe_target") is not None
+        or options.get("on_success")
+        or options.get("group_completion_callbacks")
+    ):
         return True
     actor = broker.actors.get(msg.actor_name)
     return actor is not None and bool(actor.options.get("on_success"))

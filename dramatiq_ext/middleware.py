@@ -188,7 +188,7 @@ class IdempotencyMiddleware(Middleware):
         else None (taskonce cannot see that receiver)."""
         try:
             policy = self.policies.for_name(broker, message.actor_name)
-        except ActorNotFound:
+        except (ActorNotFound, ConfigError):  # the message left: never fail its publish now
             return None
         if policy is None or not policy.enabled:
             return None
@@ -341,8 +341,8 @@ class IdempotencyMiddleware(Middleware):
             and sends_after_success(broker, message)
             and broker.middleware[:1] == [self.finisher]
         ):
-            # Pipelines' and Callbacks' after_* hooks run after this one: their sends belong to
-            # this outcome, so the finisher (last to run) records it.
+            # Pipelines', Callbacks' and GroupCallbacks' after_* hooks run after this one: their
+            # sends belong to this outcome, so the finisher (last to run) records it.
             self.finishing.hold(message, ticket)
             return
         self.settle(broker, message, ticket, result, exception)

@@ -34,7 +34,17 @@ import taskonce
 from taskonce import handoff
 from taskonce.errors import InProgressElsewhere
 from taskonce.guard import Delivery
-from taskonce.stores.base import Claim, Record, Seen, SendLease, Store, TransactionalStore
+from taskonce.stores.base import (
+    Awaiting,
+    Claim,
+    DueForRelay,
+    ReceiptLease,
+    Record,
+    Seen,
+    SendLease,
+    Store,
+    TransactionalStore,
+)
 from tests.helpers import STORE_KINDS, drop_store, make_store
 
 K = 3  # children per parent
@@ -181,13 +191,26 @@ class KillableStore(Store):
             "take_sends", key, lambda: self.inner.take_sends(key, token, lease, older_than)
         )
 
-    def dispatched(self, key: str, token: str) -> bool:
+    def dispatched(self, key: str, token: str, awaiting: Awaiting | None = None) -> bool:
         return self.killer.call(  # type: ignore[no-any-return]
-            "dispatched", key, lambda: self.inner.dispatched(key, token)
+            "dispatched", key, lambda: self.inner.dispatched(key, token, awaiting)
         )
 
     def pending_sends(self, older_than: float = 0.0, limit: int = 100) -> list[str]:
         return self.inner.pending_sends(older_than, limit)
+
+    # Receipts are looked for long after the crash points this test kills at.
+    def take_receipts(self, key: str, token: str, lease: float) -> ReceiptLease:
+        return self.inner.take_receipts(key, token, lease)
+
+    def settle_receipts(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
+        return self.inner.settle_receipts(key, token, awaiting)
+
+    def have_records(self, keys: Sequence[str]) -> list[bool]:
+        return self.inner.have_records(keys)
+
+    def due_for_relay(self, older_than: float = 0.0, limit: int = 100) -> DueForRelay:
+        return self.inner.due_for_relay(older_than, limit)
 
     def purge(self, batch: int = 1000) -> int:
         return self.inner.purge(batch)

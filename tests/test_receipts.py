@@ -398,3 +398,25 @@ def test_every_store_repairs_a_lost_send(store: Store) -> None:
     assert record is not None and record.receipts is None
     assert broker.count(child) == 2
     assert [e["reason"] for e in events.named("sends_redispatched")] == ["unconfirmed"]
+
+
+def test_a_failed_run_waiting_for_its_retry_is_not_taken_for_a_lost_message(
+    memory: MemoryStore, clock: Clock
+) -> None:
+    """The child arrived, failed and released its claim for a retry due later than
+    confirm_within: its failure left `<key>~received`, so it is not sent again (each copy
+    would start a retry chain of its own)."""
+    guard, events, _ = setup(memory)
+    child = send_one(guard)
+
+    def fails() -> None:
+        raise RuntimeError("try again in a minute")
+
+    with pytest.raises(RuntimeError):
+        guard.run(child, "child", fails)
+    assert memory.get(f"child:{child}") is None  # released for the retry
+    assert memory.get(f"child:{child}{receipts.RECEIVED_SUFFIX}") is not None
+    clock.now += 10
+    guard.relay(older_than=0)
+    assert not events.named("sends_redispatched")
+    assert memory.stats()["receipts_awaited"] == 0

@@ -17,9 +17,9 @@ import redis
 
 from taskonce.errors import LeaseLost
 from taskonce.keys import fingerprint
-from taskonce.stores.base import ClaimOutcome, Status
+from taskonce.stores.base import Awaiting, ClaimOutcome, Status
 from taskonce.stores.redis import RedisStore
-from taskonce.stores.redis.layout import packed_fp, parse, safe, unpacked_fp, unsafe
+from taskonce.stores.redis.layout import kind_of, packed_fp, parse, safe, unpacked_fp, unsafe
 from tests.helpers import RedisServer
 
 LEASE, KEEP = 300.0, 7 * 86400.0
@@ -181,6 +181,66 @@ def test_a_client_that_decodes_replies_reads_every_record(server: RedisServer) -
         assert found is not None and found.result == '"é"' and found.sends_pending
         assert {r.key for r in store.records()} == {"q:1", "q:2"}
         assert store.take_sends("q:1", "me", 60, 0).sends == ('{"id":"x"}',)
+        assert store.dispatched("q:1", "me", Awaiting('[{"key":"é"}]', 0, 60))
+        assert store.due_for_relay().receipts == ["q:1"]
+        assert store.take_receipts("q:1", "relay", 60).entries == '[{"key":"é"}]'
+        assert store.have_records(["q:1", "q:3"]) == [True, False]
+        assert store.purge() == 0 and store.stats()["receipts_awaited"] == 1
     finally:
         store.close()
         client.close()
+
+
+def test_a_record_awaiting_receipts_keeps_the_layouts_shape(
+    store: RedisStore, client: redis.Redis
+) -> None:
+    """Kinds ``a``/``b``: the shape of ``p``/``q`` with the due time where ``recorded`` was, the
+    relay's token and lease let go when written, the entries length-prefixed; an empty due
+    once they are given up on. The receipts index is scored by the due time (server ms)."""
+    store.claim("q:e", "me", LEASE, KEEP, "f1")
+    store.complete("q:e", "me", KEEP, '{"r":"|"}', ['{"id":"x"}'])
+    store.mark("q:l", KEEP, None, None, ['{"id":"y"}'], "tok")
+    entries = '[{"send":"|","key":"c:1"}]'
+    assert store.dispatched("q:e", "me", Awaiting(entries, 10.0, 60.0))
+    assert store.dispatched("q:l", "tok", Awaiting(entries, 10.0, 60.0))
+    raw = client.get("taskonce:q:e")
+    assert raw is not None and kind_of(raw) == "a" and kind_of(client.get("taskonce:q:l")) == "b"
+    head = raw.split(b"|", 6)
+    assert head[2] == b"" and int(head[5], 16) == len(entries)  # no token; the entries' size
+    pttl = client.pttl("taskonce:q:e")
+    assert int(head[3], 16) == pytest.approx(pttl - 10_000, abs=1_000)  # due: before expiry
+    assert int(head[4], 16) >= pttl - 1_000  # the lease let go: it ended at the write
+    fields = parse(raw)
+    assert fields is not None and fields.receipts == entries and fields.result == '{"r":"|"}'
+    assert fields.sends == () and fields.due == int(head[3], 16)
+    seconds, micros = client.time()
+    now = seconds * 1000 + micros // 1000
+    assert client.zscore("taskonce!receipts", "q:e") == pytest.approx(now + 10_000, abs=1_000)
+    assert client.zcard("taskonce!sends") == 0
+    # given up on: kept for inspect with an empty due, out of the index
+    due_now = b"%x" % (pttl + 60_000)  # due when PTTL <= due: a minute ago
+    client.set("taskonce:q:e", b"|".join([*head[:3], due_now, *head[4:]]), keepttl=True)
+    assert store.take_receipts("q:e", "relay", 60).entries == entries
+    assert store.settle_receipts("q:e", "relay", Awaiting("[]", None, 0.0))
+    raw = client.get("taskonce:q:e")
+    fields = parse(raw)
+    assert fields is not None and fields.due is None and fields.receipts == "[]"
+    assert raw is not None and raw.split(b"|", 6)[3] == b""
+    assert client.zscore("taskonce!receipts", "q:e") is None
+    assert store.settle_receipts("q:e", "", None)  # the let-go token is empty, as in memory
+    assert (
+        client.get("taskonce:q:e")
+        == b"c" + raw[1:].split(b"|", 2)[0] + b"|" + raw.split(b"|", 2)[1] + b'|{"r":"|"}'
+    )
+
+
+def test_a_hold_moves_every_offset_with_the_expiry(store: RedisStore) -> None:
+    store.claim("q:k", "me", LEASE, 60.0, "f1")
+    store.complete("q:k", "me", 60.0, None, ['{"id":"x"}'])
+    before = store.get("q:k")
+    assert store.dispatched("q:k", "me", Awaiting("[]", 30.0, 3600.0))
+    after = store.get("q:k")
+    assert before is not None and after is not None
+    assert after.created_at == pytest.approx(before.created_at, abs=0.02)
+    assert after.expires_at - time.time() == pytest.approx(3600, abs=5)
+    assert store.take_receipts("q:k", "relay", 60).entries is None  # due in 30 s, not 3570

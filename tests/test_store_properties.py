@@ -1,7 +1,8 @@
 """Property test of the store contract, against every store: random sequences of claim,
-complete, release, renew, mark, take_over and get, and of the hand-off's sends recorded with
-complete/mark, take_sends and dispatched, compared with a plain model of the contract (including
-the claim owner's worker identity)."""
+complete, release, renew, mark, take_over and get, of the hand-off's sends recorded with
+complete/mark, take_sends and dispatched, and of the receipts awaited after a dispatch
+(take_receipts, settle_receipts, have_records, due_for_relay), compared with a plain model of
+the contract (including the claim owner's worker identity)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from taskonce.errors import LeaseLost
-from taskonce.stores import ClaimOutcome, Status
+from taskonce.stores import Awaiting, ClaimOutcome, Status
 from tests.helpers import DJANGO_KINDS, REDIS_DEPLOYMENTS, STORE_KINDS, drop_store, make_store
 
 KEYS = st.sampled_from(("q:a", "q:b", "other:a"))
@@ -25,6 +26,12 @@ RESULTS = st.sampled_from((None, "1", '{"x":[1,2]}', '"\\u00e9t\\u00e9"'))
 SENDS = st.sampled_from(((), ('{"id":"a"}',), ('{"id":"b"}', '{"id":"c","body":{"x":"é"}}')))
 TOKENS = st.sampled_from(("o1", "o2", "t1", "t2"))
 LEASE, KEEP = 600.0, 3600.0  # nothing expires during one example: expiry has its own tests
+#: what a dispatch or a relay's look leaves awaiting: entries, due now (0) or later (600), or
+#: given up (None: kept, out of the index); None clears them
+AWAITING = st.sampled_from(
+    (None, ('[{"e":1}]', 0.0), ('[{"e":2,"x":"é|"}]', 600.0), ('[{"e":3}]', None))
+)
+KEYS_ALL = ("q:a", "q:b", "other:a")
 
 
 def machine_for(kind: str) -> type[RuleBasedStateMachine]:
@@ -38,6 +45,9 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
             self.workers: dict[str, str | None] = {}  # key -> the claim's worker identity
             # the hand-off's model: key -> [pending sends, dispatch token, leased]
             self.sends: dict[str, list[Any]] = {}
+            # the receipts' model: key -> [entries, due (0 now, 600 later, None given up),
+            # lease token, leased]
+            self.receipts: dict[str, list[Any]] = {}
 
         def fenced(self, key: str, owner: str) -> bool:
             entry = self.model.get(key)
@@ -93,13 +103,45 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
                 assert lease.sends == pending[0] and lease.retry_after == 0
                 pending[1:] = [token, True]
 
-        @rule(key=KEYS, token=TOKENS)
-        def dispatched(self, key: str, token: str) -> None:
+        @rule(
+            key=KEYS,
+            token=TOKENS,
+            awaiting=AWAITING.filter(lambda a: a is None or a[1] is not None),
+        )
+        def dispatched(self, key: str, token: str, awaiting: Any) -> None:
             pending = self.sends.get(key)
             expected = pending is not None and pending[1] == token
-            assert self.store.dispatched(key, token) is expected
+            after = None if awaiting is None else Awaiting(awaiting[0], awaiting[1], KEEP)
+            assert self.store.dispatched(key, token, after) is expected
             if expected:
                 del self.sends[key]
+                if awaiting is not None:
+                    self.receipts[key] = [awaiting[0], awaiting[1], None, False]
+
+        @rule(key=KEYS, token=TOKENS)
+        def take_receipts(self, key: str, token: str) -> None:
+            lease = self.store.take_receipts(key, token, LEASE)
+            awaited = self.receipts.get(key)
+            if awaited is None or awaited[1] != 0.0:  # none, not due, or given up
+                assert lease.entries is None and lease.retry_after == 0
+            elif awaited[3] and awaited[2] != token:  # leased by another relay
+                assert lease.entries is None and 0 < lease.retry_after <= LEASE
+            else:
+                assert lease.entries == awaited[0] and lease.retry_after == 0
+                assert 0 <= lease.late < 60
+                awaited[2:] = [token, True]
+
+        @rule(key=KEYS, token=TOKENS, awaiting=AWAITING)
+        def settle_receipts(self, key: str, token: str, awaiting: Any) -> None:
+            awaited = self.receipts.get(key)
+            expected = awaited is not None and awaited[3] and awaited[2] == token
+            after = None if awaiting is None else Awaiting(awaiting[0], awaiting[1], KEEP)
+            assert self.store.settle_receipts(key, token, after) is expected
+            if expected:
+                if awaiting is None:
+                    del self.receipts[key]
+                else:
+                    self.receipts[key] = [awaiting[0], awaiting[1], None, False]
 
         @rule(key=KEYS, owner=st.one_of(st.none(), OWNERS))
         def release(self, key: str, owner: str | None) -> None:
@@ -113,6 +155,7 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
             self.model.pop(key, None)
             self.workers.pop(key, None)
             self.sends.pop(key, None)
+            self.receipts.pop(key, None)
 
         @rule(key=KEYS, owner=OWNERS)
         def renew(self, key: str, owner: str) -> None:
@@ -150,6 +193,8 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
                 pending = self.sends.get(key)
                 assert record.sends == (pending[0] if pending else ())
                 assert record.sends_pending is (pending is not None)
+                awaited = self.receipts.get(key)
+                assert record.receipts == (awaited[0] if awaited else None)
                 if record.status is Status.IN_PROGRESS:
                     assert 0 < record.lease_remaining <= LEASE
                 else:
@@ -162,6 +207,12 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
             assert (stats["keys"], stats["in_progress"]) == (len(self.model), in_progress)
             assert stats["sends_pending"] == len(self.sends)
             assert sorted(self.store.pending_sends(0.0, 10)) == sorted(self.sends)
+            awaited = [k for k, r in self.receipts.items() if r[1] is not None]
+            assert stats["receipts_awaited"] == len(awaited)
+            due = self.store.due_for_relay(0.0, 10)
+            assert sorted(due.sends) == sorted(self.sends)
+            assert sorted(due.receipts) == sorted(k for k in awaited if self.receipts[k][1] == 0)
+            assert self.store.have_records(KEYS_ALL) == [k in self.model for k in KEYS_ALL]
 
         def teardown(self) -> None:
             drop_store(self.store)

@@ -466,6 +466,53 @@ def tx_sender(self: Any, table: str, effects: str, label: str, child: str) -> st
     return label
 
 
+@app.task(
+    base=IdempotentTask,
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    max_retries=3,
+    name="t.part",
+)
+def part(self: Any, table: str, label: str, kill_at: int = 0, fail_first: bool = False) -> str:
+    """A chord header task: counts its run; its first run fails and is retried (``fail_first``)
+    or, successful, arms a kill at the ``kill_at``-th publish of its hand-off (only the header
+    task that completes the chord publishes anything: the chord body)."""
+    runs = count_run(table, self, label)
+    if fail_first and runs == 1:
+        raise self.retry(countdown=0)
+    if kill_at and runs == 1:
+        arm_kill(kill_at)
+    return label
+
+
+@app.task(
+    base=IdempotentTask, bind=True, acks_late=True, reject_on_worker_lost=True, name="t.replacer"
+)
+def replacer(
+    self: Any,
+    table: str,
+    label: str,
+    children: list[str],
+    then: str,
+    then_children: list[str],
+    fail_before: bool = False,
+    kill_at: int = 0,
+) -> Any:
+    """Sends ``t.record`` for each child, then replaces itself with ``t.sender(table, then,
+    then_children)`` (which sends its own children). ``fail_before``: fails before the replace;
+    ``kill_at``: (first run) dies at the ``kill_at``-th publish from the replace on (1: the
+    replacement, 2: the first of the sends made before it)."""
+    runs = count_run(table, self, label)
+    for child in children:
+        record.delay(table, child)
+    if fail_before:
+        raise RuntimeError("replacer fails before replace()")
+    if kill_at and runs == 1:
+        arm_kill(kill_at)
+    return self.replace(sender.si(table, then, then_children))
+
+
 @app.task(base=IdempotentTask, bind=True, name="t.early_sender")
 def early_sender(self: Any, table: str, label: str, child: str) -> str:
     """Acknowledged before it runs (no acks_late); its first run dies in the hand-off."""

@@ -26,8 +26,9 @@ import dramatiq
 import psycopg
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.brokers.redis import RedisBroker
-from dramatiq.middleware import CurrentMessage, Retries
+from dramatiq.middleware import CurrentMessage, GroupCallbacks, Retries
 from dramatiq.middleware.asyncio import AsyncIO
+from dramatiq.rate_limits.backends import RedisBackend as RateLimiterRedisBackend
 from dramatiq.results import Results
 from dramatiq.results.backends import RedisBackend
 from sqlalchemy import text
@@ -245,6 +246,9 @@ def build(config: Config) -> App:
             use_namespace_prefix_keys=True,  # readable keys, so the tests can delete them
         )
         broker.add_middleware(Results(backend=results))
+        # Group completion callbacks: a Redis barrier per group (its id is random), short-lived.
+        barriers = RateLimiterRedisBackend(url=config.results)
+        broker.add_middleware(GroupCallbacks(barriers, barrier_ttl=600_000))
     broker.add_middleware(CurrentMessage())
     broker.add_middleware(AsyncIO())
     broker.add_middleware(AckLog(config.acks))
@@ -409,6 +413,16 @@ def build(config: Config) -> App:
     def on_done(message_data: dict[str, Any], result: Any) -> None:
         """An ``on_success`` callback: one row in the parent's ``children`` table."""
         runs.record(message_data["args"][1])
+
+    @actor(main)
+    def member(table: str, kill_at: int = 0) -> str:
+        """A group member: one row per run; its first run arms a kill at the ``kill_at``-th
+        enqueue of its hand-off (only the member that completes the group enqueues anything:
+        the group's completion callback)."""
+        run = runs.record(table)
+        if kill_at and run == 1:
+            arm_kill(kill_at)
+        return "member"
 
     @actor(main)
     def pipe_step(table: str, kill_at: int, previous: Any = None) -> int:

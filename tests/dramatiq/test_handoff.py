@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from dramatiq import Message, pipeline
+from dramatiq import Message, group, pipeline
 
 from taskonce.handoff import derive_id
 from tests.dramatiq.conftest import (
@@ -183,6 +183,51 @@ def test_async_actor_sends_are_captured_and_survive_a_crash(
     assert per_message(h, children) == dict.fromkeys(child_ids(h, parent, 2), 1)
 
 
+def group_with_callback(h: Harness, members: str, callbacks: str, kill_at: int) -> tuple[Any, str]:
+    """Runs a group of three ``member`` messages with a ``child`` completion callback; the group
+    and the callback's message id."""
+    member = h.app.actors["member"]
+    callback = h.app.actors["child"].message(callbacks, "group-done")
+    g = group([member.message(members, kill_at) for _ in range(3)], broker=h.app.broker)
+    g.add_completion_callback(callback)
+    g.run()
+    return g, callback.message_id
+
+
+def the_last_member(h: Harness, g: Any) -> str:
+    """The member whose run recorded the completion callback as its send (exactly one)."""
+    ids = [m.message_id for m in g.children]
+    last = [i for i in ids if "sends_deferred" in h.event_names(i)]
+    assert len(last) == 1, {i: h.event_names(i) for i in ids}
+    counts = [e["count"] for e in h.events(last[0]) if e["event"] == "sends_deferred"]
+    assert counts == [1]
+    return last[0]
+
+
+@crash_stacks([RABBIT_REDIS])
+def test_group_completion_callback_survives_a_crash_after_the_record(
+    crash_harness: Harness, tables: tuple[str, str]
+) -> None:
+    """Every member arms a kill at its first enqueue after its record; only the member that
+    completes the group enqueues anything — the completion callback, captured with its outcome
+    — and dies there. Its redelivery is skipped and enqueues the callback from the record: it
+    runs once. (Before the capture, GroupCallbacks enqueued it after the record, and the
+    skipped redelivery lost it.)"""
+    h = crash_harness
+    members, callbacks = tables
+    g, callback_id = group_with_callback(h, members, callbacks, kill_at=1)
+    restart_after_death(h)
+
+    wait_runs(h, callbacks, 1, timeout=60)
+    last = the_last_member(h, g)
+    h.wait(lambda: "duplicate_skipped" in h.event_names(last), what="the last member's skip")
+    canary(h, callbacks)
+    counts = per_message(h, callbacks)
+    assert counts[callback_id] == 1
+    assert per_message(h, members)[last] == 1
+    assert "sends_dispatched" not in h.event_names(last)  # the killed process enqueued nothing
+
+
 # -- without a crash: one worker per stack for the module ------------------------------------
 
 
@@ -250,3 +295,25 @@ def test_a_send_json_cannot_store_fails_with_a_clear_error(
     log = h.workers[0].output()
     assert "SendRefused" in log
     assert "'child'" in log and "args[1]" in log and "set" in log
+
+
+@stacks([RABBIT_REDIS, REDIS_PG])
+def test_group_completion_callback_is_sent_with_the_last_members_outcome(
+    shared: Harness, runs_table: str, children_table: str
+) -> None:
+    """A group of three with a completion callback: the callback runs once, and it is a send of
+    the member that completed the group (``sends_deferred`` then ``sends_dispatched``, one
+    message), not of the others."""
+    h = shared
+    g, callback_id = group_with_callback(h, runs_table, children_table, kill_at=0)
+
+    wait_runs(h, children_table, 1)
+    last = the_last_member(h, g)
+    h.wait(lambda: "sends_dispatched" in h.event_names(last), what="the dispatch")
+    canary(h, children_table)
+    assert per_message(h, children_table)[callback_id] == 1
+    assert h.runs(children_table) == 2  # the callback and the canary
+    names = h.event_names(last)
+    assert names.index("sends_deferred") < names.index("sends_dispatched")
+    for other in {m.message_id for m in g.children} - {last}:
+        assert "sends_deferred" not in h.event_names(other)

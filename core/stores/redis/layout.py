@@ -17,16 +17,27 @@ one, see :func:`safe`; numbers are hexadecimal)::
     m<created>|<fp>[|<result>]                     marked (lazy)
     p<created>|<fp>|<token>|<recorded>|<dispatch>|<n>|<sends>[|<result>]
     q…                                             as p, for a lazy mark
+    a<created>|<fp>|<token>|<due>|<dispatch>|<n>|<entries>[|<result>]
+    b…                                             as a, for a lazy mark
 
 ``p``/``q``: completed or marked with deferred sends still to publish: their dispatch
 ``token``, when they were ``recorded``, the end of a dispatcher's lease (``dispatch``), and
-``sends``, a JSON array of the sends' JSON texts, ``n`` bytes long. Per-send fields that a
-later layout needs (a receipt awaited, its due time) go in this block, between ``dispatch``
-and ``n``, under a kind letter of their own.
+``sends``, a JSON array of the sends' JSON texts, ``n`` bytes long.
+
+``a``/``b``: completed or marked, their sends published and awaiting their receipts
+(:mod:`taskonce.receipts`): the same shape as ``p``/``q``, so one parse reads all four, with
+``due`` (when the relay should look at them) where ``recorded`` was and ``entries``, the
+receipts' own JSON text (kept as it is), ``n`` bytes long. ``token`` and ``dispatch`` are the
+relay's lease on them (both let go, ``token`` empty, when they are written). An empty ``due``
+says none is awaited any more: the entries were given up on and are kept only for ``taskonce
+inspect`` (the record is out of the receipts index). A record has sends pending or awaits
+receipts, never both, so a kind letter says which, and a record of any of the four kinds is a
+handled key to a claim or a mark.
 
 Times are whole milliseconds *before the record's expiry* (the key's own ``PX``, set by the
 Redis server's clock): ``created`` is the first claim or mark, ``lease`` the end of a claim's
-lease, ``dispatch`` the end of a dispatcher's lease (0 when it outlives the record). A client
+lease, ``dispatch`` the end of a dispatcher's lease (0 when it outlives the record), ``due``
+the receipts' due time (0 when it is not before the expiry: never reached). A client
 can write a record with one plain ``SET … NX PX`` and still have every time judged by the
 server's clock (a claim's lease ends ``keep_ms`` before the expiry it asks for), a script can
 tell whether a lease ran out from ``PTTL`` alone (``PTTL <= lease``), and the numbers stay as
@@ -52,7 +63,8 @@ from typing import Any
 
 #: the kinds a record starts with
 CLAIM, COMPLETED, MARKED, SENDING, MARKED_SENDING = "i", "c", "m", "p", "q"
-KINDS = frozenset((CLAIM, COMPLETED, MARKED, SENDING, MARKED_SENDING))
+AWAITING, MARKED_AWAITING = "a", "b"
+KINDS = frozenset((CLAIM, COMPLETED, MARKED, SENDING, MARKED_SENDING, AWAITING, MARKED_AWAITING))
 _HEX = re.compile(r"(?:[0-9a-f]{2})+")
 _UNSAFE = re.compile(r"[|~]")
 
@@ -154,6 +166,10 @@ class Fields:
     worker: str | None = None
     token: str | None = None
     sends: tuple[str, ...] = ()
+    #: the entries awaiting their receipts (kinds ``a``/``b``: JSON text, as it was written)
+    receipts: str | None = None
+    #: their due time (ms before the expiry), None when none is awaited any more
+    due: int | None = None
 
 
 def parse(value: Any) -> Fields | None:
@@ -186,26 +202,32 @@ def _parse(raw: bytes) -> Fields | None:
         parts = raw[1:].split(b"|", 2)
         result = parts[2].decode("utf-8") if len(parts) > 2 else None
         return Fields(kind, int(parts[0], 16), unpacked_fp(parts[1].decode("ascii")), result)
-    head = raw[1:].split(b"|", 6)  # created, fp, token, recorded, dispatch, n, the rest
+    # p/q: created, fp, token, recorded, dispatch, n, the rest; a/b: due where recorded is
+    head = raw[1:].split(b"|", 6)
     size = int(head[5], 16)
-    sends, tail = head[6][:size], head[6][size:]
+    block, tail = head[6][:size], head[6][size:]
     if tail and tail[:1] != b"|":
         return None
-    return Fields(
+    fields = Fields(
         kind,
         int(head[0], 16),
         unpacked_fp(head[1].decode("ascii")),
         tail[1:].decode("utf-8") if tail else None,
         token=unsafe(head[2].decode("utf-8")),
-        sends=tuple(json.loads(sends)),
     )
+    if kind in (SENDING, MARKED_SENDING):
+        return dataclasses.replace(fields, sends=tuple(json.loads(block)))
+    due = int(head[3], 16) if head[3] else None
+    return dataclasses.replace(fields, receipts=block.decode("utf-8"), due=due)
 
 
 __all__ = [
+    "AWAITING",
     "CLAIM",
     "COMPLETED",
     "KINDS",
     "MARKED",
+    "MARKED_AWAITING",
     "MARKED_SENDING",
     "SENDING",
     "Fields",

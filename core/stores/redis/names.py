@@ -1,5 +1,6 @@
 """Where the Redis store keeps things: the Redis name of a record, of a worker's liveness
-record and of the sends index, on one server and on a cluster (the buckets' slot tags).
+record and of the sends and receipts indexes, on one server and on a cluster (the buckets' slot
+tags).
 
 On Redis Cluster (``redis+cluster://``) every key one script touches must hash to one slot, and
 the record and the sends index are touched together. One index for the whole store would put
@@ -9,7 +10,9 @@ sight. So the store is cut into :data:`CLUSTER_BUCKETS` buckets, each with its o
 its own index: a record lives at ``f"{{{prefix}/{n}}}:{key}"`` and its bucket's index at
 ``f"{{{prefix}/{n}}}!sends"``, where the bucket is ``crc32(key) % CLUSTER_BUCKETS`` and ``n``
 is picked so that the buckets' slots are spread evenly over the 16384 slots (so over the
-masters). A record and its index always move together in a resharding.
+masters). A record and its index always move together in a resharding. The receipts index
+(records awaiting their receipts, scored by due time) is the bucket's too, at
+``f"{{{prefix}/{n}}}!receipts"``, so one script reads a bucket's two indexes.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class Names:
         self.cluster = cluster
         self.tags: tuple[str, ...] = bucket_tags(prefix) if cluster else ()
         self._index = f"{prefix}!sends"
+        self._receipts = f"{prefix}!receipts"
 
     def _tag(self, key: str) -> str:
         return self.tags[zlib.crc32(key.encode("utf-8")) % CLUSTER_BUCKETS]
@@ -82,6 +86,19 @@ class Names:
         if self.cluster:
             return [f"{{{tag}}}!sends" for tag in self.tags]
         return [self._index]
+
+    def receipts_of(self, key: str) -> str:
+        """The receipts index of ``key``'s record: in the same hash slot on a cluster."""
+        if self.cluster:
+            return f"{{{self._tag(key)}}}!receipts"
+        return self._receipts
+
+    def buckets(self) -> list[tuple[str, str, str]]:
+        """Each bucket's ``(record name prefix, sends index, receipts index)``: one on a single
+        server. A record's name is its prefix and its key, as the indexes list it."""
+        if self.cluster:
+            return [(f"{{{tag}}}:", f"{{{tag}}}!sends", f"{{{tag}}}!receipts") for tag in self.tags]
+        return [(f"{self.prefix}:", self._index, self._receipts)]
 
     def pattern(self, key_prefix: str = "") -> str:
         """The SCAN pattern of this store's records whose key starts with ``key_prefix``."""

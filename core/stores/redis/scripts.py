@@ -42,9 +42,13 @@ NAMES = (
     "dispatched",
     "pending",
     "forget",
+    "settle",
+    "take_receipts",
+    "relay",
+    "sweep",
 )
 #: the scripts that write nothing (no ``WAIT`` for replicas after them)
-READS = ("get", "seen", "pending")
+READS = ("get", "seen", "pending", "relay")
 
 
 def _read(name: str) -> str:
@@ -74,6 +78,10 @@ class Scripts:
     dispatched: Script
     pending: Script
     forget: Script
+    settle: Script
+    take_receipts: Script
+    relay: Script
+    sweep: Script
 
     @classmethod
     def register(cls, client: redis.Redis) -> Scripts:

@@ -16,23 +16,25 @@ NX PX``. Every other write is a script that reads the record, checks the owner t
 dispatch token) first (fencing) and writes it whole with a new ``PX``.
 
 Records with pending sends are also listed in one sorted set, ``f"{prefix}!sends"`` (score: when
-they were recorded), for the relay. The scripts that write sends touch it too (its name is an
-argument), in the same atomic step as the record. On Redis Cluster (``redis+cluster://``) the
-records and their indexes are spread over buckets with hash tags (:mod:`.names`); the relay
-reads the buckets' indexes in one pipeline per node.
+they were recorded), for the relay, and records awaiting receipts in ``f"{prefix}!receipts"``
+(score: when they are due; :mod:`.receipts`). The scripts that write sends or receipts touch
+these too (their names are arguments), in the same atomic step as the record. On Redis Cluster
+(``redis+cluster://``) the records and their indexes are spread over buckets with hash tags
+(:mod:`.names`); the relay reads the buckets' indexes in one pipeline per node.
 
 A record's expiry is the key's own (set with ``PX``, relative to the Redis server's clock); a
 record past it is absent for every script, and a read reports it as ``expires_at`` (``now`` +
 ``PTTL``). Leases and retention are judged by the Redis server's clock, never by a worker's:
 a script tells whether a lease ran out from ``PTTL`` alone, and reads ``TIME`` where a time
 leaves the server. Every script touches the one key it is given in ``KEYS`` and, for the
-hand-off, that key's sends index, in the same hash slot, so the store works on Redis Cluster
-and with replicas (effects replication). Redis deletes expired records itself, which is why
-:meth:`RedisStore.purge` has nothing to do.
+hand-off and the receipts, that key's indexes, in the same hash slot, so the store works on
+Redis Cluster and with replicas (effects replication). Redis deletes expired records itself,
+which is why :meth:`RedisStore.purge` only sweeps the indexes.
 
 The package's other modules: :mod:`.layout` (the record), :mod:`.scripts` (the Lua scripts),
 :mod:`.connecting` (URLs, Sentinel, Cluster, TLS; fork safety of the clients), :mod:`.trips`
-(the transport: round trips shared by a process's threads).
+(the transport: round trips shared by a process's threads), :mod:`.receipts` (the receipts
+part of the contract).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from redis.commands.core import Script
 from taskonce.errors import ConfigError, LeaseLost, StoreUnavailable
 from taskonce.stores.base import (
     LIVENESS_RETENTION,
+    Awaiting,
     Claim,
     ClaimOutcome,
     Record,
@@ -71,6 +74,7 @@ from taskonce.stores.redis.connecting import (
 )
 from taskonce.stores.redis.layout import Fields, packed_fp, safe
 from taskonce.stores.redis.names import Names, glob_escape
+from taskonce.stores.redis.receipts import RedisReceipts
 from taskonce.stores.redis.scripts import Scripts
 from taskonce.stores.redis.trips import Command, OneTrip, SharedTrips
 from taskonce.stores.redis.wire import cannot_answer, ms, text
@@ -83,7 +87,7 @@ SET = Command("SET")
 T = TypeVar("T")
 
 
-class RedisStore(Store):
+class RedisStore(RedisReceipts, Store):
     """Claims and marks in Redis: one server, a Sentinel-managed master or a Redis Cluster.
     Every script touches one record and, for the hand-off, its sends index in the same hash
     slot, so the scripts run on a cluster.
@@ -184,7 +188,8 @@ class RedisStore(Store):
         return self._names.record(key)
 
     def _indexes(self) -> list[str]:
-        return self._names.indexes()
+        """Every index of the store: sends and receipts, of every bucket."""
+        return [name for _, *indexes in self._names.buckets() for name in indexes]
 
     def _pattern(self, key_prefix: str = "") -> str:
         """The SCAN pattern of this store's records whose key starts with ``key_prefix``."""
@@ -309,7 +314,8 @@ class RedisStore(Store):
     def release(self, key: str, owner: str | None) -> None:
         """Delete ``owner``'s claim (fenced), or with ``owner=None`` whatever is recorded."""
         if owner is None:  # its pending sends go with it
-            self._run("release", self._scripts.forget, key, (self._names.index_of(key), key))
+            args = (self._names.index_of(key), key, self._names.receipts_of(key))
+            self._run("release", self._scripts.forget, key, args)
             return
         if not int(self._run("release", self._scripts.release, key, (safe(owner),))):
             raise LeaseLost(key, "release")
@@ -358,8 +364,11 @@ class RedisStore(Store):
         found = text(reply) if not isinstance(reply, int) else None
         return SendLease(tuple(json.loads(found))) if found else SendLease()
 
-    def dispatched(self, key: str, token: str) -> bool:
-        """Clear ``key``'s pending sends if ``token`` still holds them (one script)."""
+    def dispatched(self, key: str, token: str, awaiting: Awaiting | None = None) -> bool:
+        """Clear ``key``'s pending sends if ``token`` still holds them, with ``awaiting`` in the
+        same script (:mod:`.receipts`)."""
+        if awaiting is not None:
+            return self._dispatched_awaiting(key, token, awaiting)
         return bool(
             int(
                 self._run(
@@ -393,7 +402,7 @@ class RedisStore(Store):
         seconds, micros = self._client.time()
         cutoff = int(seconds) * 1000 + int(micros) // 1000 - round(older_than * 1000)
         pipe = self._client.pipeline()
-        for index in self._indexes():
+        for index in self._names.indexes():
             pipe.zrangebyscore(index, "-inf", cutoff, start=0, num=limit, withscores=True)
         found: list[tuple[float, str]] = []
         for reply in pipe.execute():
@@ -404,12 +413,6 @@ class RedisStore(Store):
         """The live record of ``key`` with ``lease_remaining`` by the Redis clock, or None."""
         reply = self._run("get", self._scripts.get, key, ())
         return None if reply is None else self._record(key, reply)  # a foreign key: None
-
-    def purge(self, batch: int = 1000) -> int:
-        """Always 0: every record carries a Redis expiry (at its ``expires_at``),
-        so Redis deletes expired records itself, and every script also treats a record whose
-        ``expires_at`` has passed as absent. There is never anything left for a purge."""
-        return 0
 
     def stats(self) -> Mapping[str, int]:
         """Counts of this prefix's records, by ``SCAN MATCH prefix:*`` (several round trips;
@@ -432,13 +435,14 @@ class RedisStore(Store):
                 "completed": counts["completed"],
                 "expired": 0,
                 "sends_pending": self._sends_pending(),
+                "receipts_awaited": self._awaited(),
             }
 
         return self._call("stats", None, count)
 
     def _sends_pending(self) -> int:
         pipe = self._client.pipeline()
-        for index in self._indexes():
+        for index in self._names.indexes():
             pipe.zcard(index)
         return sum(int(n) for n in pipe.execute())
 
@@ -545,9 +549,10 @@ def _as_record(key: str, now: int, pttl: int, fields: Fields) -> Record:
         expires_at=expires / 1000.0,
         lease_remaining=max(0, pttl - fields.lease) / 1000.0 if claimed else 0.0,
         worker=fields.worker,
-        marked=fields.kind in (layout.MARKED, layout.MARKED_SENDING),
+        marked=fields.kind in (layout.MARKED, layout.MARKED_SENDING, layout.MARKED_AWAITING),
         sends_pending=fields.kind in (layout.SENDING, layout.MARKED_SENDING),
         sends=fields.sends,
+        receipts=fields.receipts,
     )
 
 
