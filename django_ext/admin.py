@@ -210,6 +210,7 @@ class RecordAdmin(_ReadOnly):
         "fingerprint",
         "result",
         "pending_sends",
+        "awaited_receipts",
     )
 
     @_display(description="queue")
@@ -243,6 +244,30 @@ class RecordAdmin(_ReadOnly):
         except (ValueError, TypeError):
             return "pending"
         return f"{count} pending"
+
+    @_display(description="receipts")
+    def awaited_receipts(self, record: Record) -> str:
+        """How many published sends await their receipts (and when the relay looks next), and
+        how many were given up on (``taskonce inspect`` shows them)."""
+        if not record.receipts:
+            return "-"
+        import json
+
+        try:
+            entries = json.loads(record.receipts)
+        except (ValueError, TypeError):
+            return "awaited"
+        given_up = sum(1 for entry in entries if entry.get("unconfirmed"))
+        parts = []
+        if len(entries) > given_up:
+            awaited = f"{len(entries) - given_up} awaited"
+            looked = _when(record.receipts_at)
+            if looked is not None:
+                awaited += f", next look at {looked.isoformat(timespec='seconds')}"
+            parts.append(awaited)
+        if given_up:
+            parts.append(f"{given_up} never received")
+        return "; ".join(parts) or "-"
 
     def has_release_permission(self, request: HttpRequest) -> bool:
         """The release action's permission: ``taskonce.change_record``."""

@@ -27,6 +27,10 @@ class Record(models.Model):
     sends_token = models.CharField(max_length=64, null=True)
     sends_at = models.FloatField(null=True)
     sends_lease = models.FloatField(null=True)
+    # published sends awaiting their receipts (JSON), and when the relay looks for them next
+    # (NULL when none is awaited: none published, all received, or the rest given up on)
+    receipts = models.TextField(null=True)
+    receipts_at = models.FloatField(null=True)
 
     class Meta:
         db_table = "taskonce_keys"

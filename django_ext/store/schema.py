@@ -1,11 +1,14 @@
 """The store's two tables on a Django database: the same DDL as ``taskonce init-db`` writes
 (:mod:`taskonce.stores.sql.schema`), compiled for the alias's backend and run through Django's
 schema editor. The app's migration calls :func:`create_tables`; a table already there (made by
-``taskonce init-db`` before the project moved to ``django://``) is kept as it is.
+``taskonce init-db`` before the project moved to ``django://``) is kept as it is. Later
+migrations add newer columns with :func:`add_columns` (only those missing: a table made by a
+newer ``init-db`` or ``0001`` has them already) and remove them with :func:`drop_columns`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -61,6 +64,45 @@ def create_tables(connection: Any, table: str = DEFAULT_TABLE) -> bool:
     return created
 
 
+def _keys_table(connection: Any, table: str) -> tuple[sa.Table, Any]:
+    """The keys table as the store describes it, and the dialect of ``connection``."""
+    return make_table(sa.MetaData(), table, None), dialect_for(VENDORS[connection.vendor])
+
+
+def add_columns(connection: Any, columns: Sequence[str], table: str = DEFAULT_TABLE) -> list[str]:
+    """Add keys table columns ``columns`` (nullable, as the store declares them) and the
+    indexes on them, each unless it is there already; the columns this call added."""
+    keys, dialect = _keys_table(connection, table)
+    quote = connection.ops.quote_name
+    with connection.cursor() as cursor:
+        present = {c.name for c in connection.introspection.get_table_description(cursor, table)}
+        indexes = set(connection.introspection.get_constraints(cursor, table))
+        added = [name for name in columns if name not in present]
+        for name in added:
+            column = keys.c[name]
+            ddl = column.type.compile(dialect=dialect)
+            cursor.execute(f"ALTER TABLE {quote(table)} ADD COLUMN {quote(name)} {ddl}")
+        for index in keys.indexes:
+            if index.name not in indexes and {c.name for c in index.columns} & set(columns):
+                cursor.execute(str(sa.schema.CreateIndex(index).compile(dialect=dialect)))
+    return added
+
+
+def drop_columns(connection: Any, columns: Sequence[str], table: str = DEFAULT_TABLE) -> None:
+    """Drop keys table columns ``columns`` and the indexes on them (a migration's reverse)."""
+    keys, dialect = _keys_table(connection, table)
+    quote = connection.ops.quote_name
+    with connection.cursor() as cursor:
+        present = {c.name for c in connection.introspection.get_table_description(cursor, table)}
+        indexes = set(connection.introspection.get_constraints(cursor, table))
+        for index in keys.indexes:
+            if index.name in indexes and {c.name for c in index.columns} & set(columns):
+                cursor.execute(str(sa.schema.DropIndex(index).compile(dialect=dialect)))
+        for name in columns:
+            if name in present:
+                cursor.execute(f"ALTER TABLE {quote(table)} DROP COLUMN {quote(name)}")
+
+
 def drop_tables(connection: Any, table: str = DEFAULT_TABLE) -> None:
     """Drop the store's tables (the migration's reverse)."""
     quote = connection.ops.quote_name
@@ -69,4 +111,4 @@ def drop_tables(connection: Any, table: str = DEFAULT_TABLE) -> None:
             cursor.execute(f"DROP TABLE IF EXISTS {quote(name)}")
 
 
-__all__ = ["create_tables", "drop_tables", "table_ddl"]
+__all__ = ["add_columns", "create_tables", "drop_columns", "drop_tables", "table_ddl"]

@@ -7,6 +7,8 @@ A package of files with one job each:
   autocommit);
 - :mod:`.transactional`: the transactional extension (the caller's transaction: the
   transactional mode, the producer outbox);
+- :mod:`.receipts`: the receipts part (the relay's lease on awaited receipts, their write-back,
+  the receivers' records, the relay's work in one statement);
 - :mod:`.schema`: the tables, their creation and migration, a row read as a record;
 - :mod:`.statements`: the statements, built by small builders;
 - :mod:`.connecting`: URLs and driver checks, engines, fork handling.

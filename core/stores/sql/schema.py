@@ -15,7 +15,10 @@ The keys table::
     sends        TEXT         NULL           -- the hand-off: a JSON array of the sends' texts
     sends_token  VARCHAR(64)  NULL           -- their dispatch token
     sends_at     DOUBLE       NULL           -- when they were recorded (indexed: the relay)
-    sends_lease  DOUBLE       NULL           -- a dispatcher's lease on them runs until
+    sends_lease  DOUBLE       NULL           -- a dispatcher's (or a relay's) lease runs until
+    receipts     TEXT         NULL           -- published sends awaiting their receipts (JSON)
+    receipts_at  DOUBLE       NULL           -- when the relay looks for them (indexed); NULL
+                                             -- when none is awaited (given up: kept for inspect)
 
 and, next to it, the worker processes' liveness records (``<table>_live``)::
 
@@ -23,8 +26,9 @@ and, next to it, the worker processes' liveness records (``<table>_live``)::
     seen_at      DOUBLE       NOT NULL       -- last liveness write, database clock
     alive_until  DOUBLE       NOT NULL       -- seen_at + the liveness window
 
-A keys table created before the ``worker`` column (or the hand-off's) existed gains it on
-first use.
+A record has sends pending or awaits receipts (:mod:`taskonce.receipts`), never both, so the
+two share the dispatch token and lease columns. A keys table created before the ``worker``
+column (or the hand-off's, or the receipts') existed gains it on first use.
 """
 
 from __future__ import annotations
@@ -88,13 +92,15 @@ def parse_table(table: str) -> tuple[str | None, str]:
     return match.group("schema"), match.group("name")
 
 
-def index_name(name: str) -> str:
-    """The name of keys table ``name``'s index on ``expires_at`` (at most 63 characters)."""
-    candidate = f"ix_{name}_expires_at"
+def index_name(name: str, column: str = "expires_at") -> str:
+    """The name of keys table ``name``'s index on ``column`` (at most 63 characters)."""
+    candidate = f"ix_{name}_{column}"
     if len(candidate) <= 63:
         return candidate
     digest = hashlib.sha1(name.encode(), usedforsecurity=False).hexdigest()[:8]
-    return f"ix_{name[:40]}_{digest}_expires_at"
+    # ix_ + name + _ + digest + _ + column in 63 characters (40 of the name for expires_at,
+    # as before the column argument)
+    return f"ix_{name[: 50 - len(column)]}_{digest}_{column}"
 
 
 def live_name(name: str) -> str:
@@ -141,6 +147,10 @@ def make_table(metadata: sa.MetaData, name: str, schema: str | None, **dialect_k
         sa.Column("sends_token", sa.String(MAX_TOKEN_LENGTH), nullable=True),
         sa.Column("sends_at", sa.Double(), nullable=True),
         sa.Column("sends_lease", sa.Double(), nullable=True),
+        # Receipts (taskonce.receipts): published sends awaiting them, and when to look. NULL
+        # on every other record, so they cost a row almost nothing.
+        sa.Column("receipts", result_type, nullable=True),
+        sa.Column("receipts_at", sa.Double(), nullable=True),
         schema=schema,
         **dialect_kw,
     )
@@ -153,6 +163,14 @@ def make_table(metadata: sa.MetaData, name: str, schema: str | None, **dialect_k
         table.c.sends_at,
         postgresql_where=pending,
         sqlite_where=pending,
+    )
+    # The relay's receipts index, partial as the sends' one: only records awaiting receipts.
+    awaited = table.c.receipts_at.isnot(None)
+    sa.Index(
+        index_name(name, "receipts_at"),
+        table.c.receipts_at,
+        postgresql_where=awaited,
+        sqlite_where=awaited,
     )
     return table
 
@@ -274,7 +292,7 @@ def to_record(row: Any) -> Record:
     """The one translation of a stored row into a :class:`~taskonce.stores.base.Record`: a
     row of the store's reads, which start with ``key, status, owner, fingerprint, result,
     created_at, expires_at`` and name ``lease_remaining``, ``worker``, ``lease_until`` and
-    (in full reads) ``sends``."""
+    (in full reads) ``sends`` and ``receipts``."""
     key, status, owner, fingerprint, result, created_at, expires_at = row[:7]
     stored = _STORED[status]
     pending = stored is Stored.SENDING
@@ -293,6 +311,7 @@ def to_record(row: Any) -> Record:
         marked=stored is not Stored.IN_PROGRESS and not float(row.lease_until),
         sends_pending=pending,
         sends=tuple(json.loads(sends)) if sends else (),
+        receipts=row._mapping.get("receipts"),
     )
 
 

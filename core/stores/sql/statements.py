@@ -1,5 +1,5 @@
 """The SQL store's statements, built once per table and dialect family by small builders (one
-per group: claims, liveness, fenced writes, marks, the hand-off, reads) and cached by
+per group: claims, liveness, fenced writes, marks, the hand-off, receipts, reads) and cached by
 SQLAlchemy's compiled cache: every value is a bound parameter, and every time is the
 database's clock (:data:`NOW_SQL`) inside the statement that acts on it.
 """
@@ -50,6 +50,10 @@ class _Binds:
         self.token = sa.bindparam("p_token", type_=sa.String())
         self.age = sa.bindparam("p_age", type_=_DOUBLE)
         self.send_lease = sa.bindparam("p_send_lease", type_=_DOUBLE)
+        self.entries = sa.bindparam("p_entries", type_=sa.Text())
+        self.due = sa.bindparam("p_due", type_=_DOUBLE)  # None: out of the receipts index
+        self.hold = sa.bindparam("p_hold", type_=_DOUBLE)
+        self.limit = sa.bindparam("p_limit", type_=sa.Integer())
         self.in_progress = sa.literal(Stored.IN_PROGRESS.value, sa.String())
         self.completed = sa.literal(Stored.COMPLETED.value, sa.String())
         self.sending = sa.literal(Stored.SENDING.value, sa.String())
@@ -63,6 +67,24 @@ class _Binds:
             "sends_token": self.token,
             "sends_at": self.now,
             "sends_lease": self.now + self.send_lease,
+        }
+
+    def no_receipts(self) -> dict[str, Any]:
+        """The columns that replacing an expired record clears: its receipts (a new record
+        awaits none)."""
+        return {"receipts": sa.null(), "receipts_at": sa.null()}
+
+    def awaiting(self, expires_at: sa.ColumnElement[float]) -> dict[str, Any]:
+        """The columns a write of awaited receipts sets (``p_entries``, due ``p_due`` seconds
+        from now, NULL when None: NULL arithmetic keeps it out of the index), the lease let
+        go, the record kept at least ``p_hold`` seconds from now."""
+        held = self.now + self.hold
+        return {
+            "receipts": self.entries,
+            "receipts_at": self.now + self.due,
+            "sends_token": sa.null(),
+            "sends_lease": sa.null(),
+            "expires_at": sa.case((expires_at >= held, expires_at), else_=held),
         }
 
 
@@ -92,6 +114,7 @@ class Statements:
         self._fenced(table)
         self._marks(table)
         self._handoff(table)
+        self._receipts(table)
         self._reads(table)
 
     def _insert_if_absent(self, into: sa.Table, values: Mapping[str, Any]) -> sa.Insert:
@@ -156,7 +179,7 @@ class Statements:
                 c.owner.is_not_distinct_from(b.seen_owner),
                 c.expires_at <= b.now,
             )
-            .values(**claimed)
+            .values(**claimed, **b.no_receipts())
         )
         # A live record whose claim's lease ran out: take it over (created_at is kept).
         self.claim_take_over = (
@@ -258,7 +281,7 @@ class Statements:
         self.mark_replace_expired = (
             sa.update(table)
             .where(c.key == b.key, c.expires_at <= b.now)
-            .values(**marked, worker=sa.null())
+            .values(**marked, **b.no_receipts(), worker=sa.null())
         )
         self.mark_insert_sends = self._insert_if_absent(
             table, {"key": b.key, **marked, **b.with_sends()}
@@ -299,12 +322,74 @@ class Statements:
                 sends_lease=sa.null(),
             )
         )
+        self.dispatched_awaiting = self.dispatched.values(b.awaiting(c.expires_at))
         self.pending = (
             sa.select(c.key)
             .where(c.status == b.sending, c.sends_at <= b.now - b.age)
             .order_by(c.sends_at)
-            .limit(sa.bindparam("p_limit", type_=sa.Integer()))
+            .limit(b.limit)
         )
+
+    def _receipts(self, table: sa.Table) -> None:
+        """Receipts (:mod:`taskonce.receipts`): take the relay's lease on a record's awaited
+        receipts when due, read them, write back what still awaits or clear them; whether
+        records exist (the receipts themselves); and the relay's work in one statement."""
+        b, c = self._b, table.c
+        due = sa.and_(c.key == b.key, c.receipts_at.is_not(None), c.receipts_at <= b.now)
+        # The dispatch token and lease columns: a record awaiting receipts has no sends pending.
+        self.take_receipts = (
+            sa.update(table)
+            .where(
+                due,
+                sa.or_(c.sends_lease.is_(None), c.sends_lease <= b.now, c.sends_token == b.token),
+            )
+            .values(sends_token=b.token, sends_lease=b.now + b.lease)
+        )
+        self.read_receipts = sa.select(
+            c.receipts,
+            c.sends_token,
+            sa.func.coalesce(c.sends_lease, b.zero) - b.now,
+            b.now - c.receipts_at,
+        ).where(due)
+        fence = (c.key == b.key, c.receipts.is_not(None), c.sends_token == b.token)
+        self.settle_receipts = sa.update(table).where(*fence).values(b.awaiting(c.expires_at))
+        self.clear_receipts = (
+            sa.update(table)
+            .where(*fence)
+            .values(**b.no_receipts(), sends_token=sa.null(), sends_lease=sa.null())
+        )
+        keys = sa.bindparam("p_keys", expanding=True, type_=sa.String())
+        self.have_records = sa.select(c.key).where(c.key.in_(keys), c.expires_at > b.now)
+        self.due_for_relay = self._due_for_relay(table)
+
+    def _due_for_relay(self, table: sa.Table) -> sa.Executable:
+        """Both halves of the relay's work in one statement: ``UNION ALL`` of two derived
+        tables, each ``ORDER BY … LIMIT`` on its own index (the sends' and the receipts'), tagged
+        ``s``/``r``. Derived tables because SQLite allows neither parentheses nor ``LIMIT`` on
+        a compound's members; the union's order is not relied on (the caller sorts by ``at``).
+
+        On PostgreSQL the clock is read once in a scalar subquery: ``clock_timestamp()`` is
+        volatile, and a volatile bound can only filter an index scan, not bound it (the scan
+        would read every record awaiting receipts to find the few that are due)."""
+        b, c = self._b, table.c
+        now: sa.ColumnElement[float] = b.now
+        if self.family == "postgresql":
+            now = sa.select(b.now).scalar_subquery()
+        sends = (
+            sa.select(sa.literal_column("'s'").label("kind"), c.key, c.sends_at.label("at"))
+            .where(c.status == b.sending, c.sends_at <= now - b.age)
+            .order_by(c.sends_at)
+            .limit(b.limit)
+            .subquery("due_sends")
+        )
+        receipts = (
+            sa.select(sa.literal_column("'r'").label("kind"), c.key, c.receipts_at.label("at"))
+            .where(c.receipts_at <= now)
+            .order_by(c.receipts_at)
+            .limit(b.limit)
+            .subquery("due_receipts")
+        )
+        return sa.union_all(sa.select(sends), sa.select(receipts))
 
     def _reads(self, table: sa.Table) -> None:
         """Reads of live records (one key, or keys matching a LIKE pattern) and the counts."""
@@ -321,6 +406,7 @@ class Statements:
             c.worker,
             c.lease_until,
             c.sends,
+            c.receipts,
         )
         self.get = sa.select(*record_columns).where(c.key == b.key, c.expires_at > b.now)
         # p_pattern: a LIKE pattern with "/" as its escape character (see SQLStore.records)
@@ -339,6 +425,7 @@ class Statements:
             count(sa.and_(alive, c.status != b.in_progress)).label("completed"),
             count(c.expires_at <= b.now).label("expired"),
             count(c.status == b.sending).label("sends_pending"),
+            count(sa.and_(alive, c.receipts_at.is_not(None))).label("receipts_awaited"),
         )
 
     def purge(self, batch: int) -> sa.Executable:

@@ -34,7 +34,15 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 
 from taskonce.errors import ConfigError, LeaseLost, StoreUnavailable
-from taskonce.stores.base import LIVENESS_RETENTION, Claim, ClaimOutcome, Record, Seen, SendLease
+from taskonce.stores.base import (
+    LIVENESS_RETENTION,
+    Awaiting,
+    Claim,
+    ClaimOutcome,
+    Record,
+    Seen,
+    SendLease,
+)
 from taskonce.stores.options import own_value
 from taskonce.stores.sql.connecting import (
     FAMILIES,
@@ -43,6 +51,7 @@ from taskonce.stores.sql.connecting import (
     parse_url,
     take_table,
 )
+from taskonce.stores.sql.receipts import SQLReceipts, awaiting_params
 from taskonce.stores.sql.schema import (
     DEFAULT_TABLE,
     Stored,
@@ -76,7 +85,7 @@ def _after_fork_in_child(ref: weakref.ReferenceType[SQLStore]) -> None:
         store._after_fork()
 
 
-class SQLStore(SQLTransactions):
+class SQLStore(SQLTransactions, SQLReceipts):
     """Claims and marks in one SQL table, judged by the database's clock.
 
     :param url: an SQLAlchemy URL: ``postgresql+psycopg://…``, ``mysql+pymysql://…``,
@@ -448,10 +457,15 @@ class SQLStore(SQLTransactions):
             return SendLease(tuple(json.loads(sends)))
         return SendLease(retry_after=max(float(remaining or 0.0), 0.0))
 
-    def dispatched(self, key: str, token: str) -> bool:
+    def dispatched(self, key: str, token: str, awaiting: Awaiting | None = None) -> bool:
+        """One fenced UPDATE; with ``awaiting`` the same one also writes the receipts."""
+        params: dict[str, Any] = {"p_key": key, "p_token": token}
+        statement = self._sql.dispatched
+        if awaiting is not None:
+            statement = self._sql.dispatched_awaiting
+            params.update(awaiting_params(awaiting))
         with self._connect("dispatched") as connection:
-            params = {"p_key": key, "p_token": token}
-            return _rowcount(connection.execute(self._sql.dispatched, params)) == 1
+            return _rowcount(connection.execute(statement, params)) == 1
 
     def pending_sends(self, older_than: float = 0.0, limit: int = 100) -> list[str]:
         with self._connect("pending_sends") as connection:
@@ -482,14 +496,7 @@ class SQLStore(SQLTransactions):
     def stats(self) -> Mapping[str, int]:
         with self._connect("stats") as connection:
             row = connection.execute(self._sql.stats).one()
-        keys, in_progress, completed, expired, sends_pending = (int(v or 0) for v in row)
-        return {
-            "keys": keys,
-            "in_progress": in_progress,
-            "completed": completed,
-            "expired": expired,
-            "sends_pending": sends_pending,
-        }
+        return {name: int(value or 0) for name, value in row._mapping.items()}
 
     def records(self, key_prefix: str = "") -> Iterator[Record]:
         """The live records whose key starts with ``key_prefix``, read in one query."""

@@ -1,0 +1,97 @@
+"""The SQL store's receipts part (:class:`~taskonce.stores.base.StoreReceipts`): the relay's
+lease on a record's awaited receipts, their write-back, the receipts themselves (whether the
+receivers' records exist) and the relay's work, each judged by the database's clock.
+
+A record awaiting receipts keeps them in ``receipts`` and its due time in ``receipts_at``
+(indexed, NULL when none is awaited); the relay's lease on them uses the dispatch token and
+lease columns, which such a record does not otherwise use (its sends were published).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy.engine import Connection
+
+from taskonce.stores.base import Awaiting, DueForRelay, ReceiptLease, StoreReceipts
+from taskonce.stores.sql.schema import check_token
+from taskonce.stores.sql.statements import Statements
+
+
+def _rowcount(result: Any) -> int:
+    count: int = result.rowcount
+    return count
+
+
+def awaiting_params(awaiting: Awaiting) -> dict[str, Any]:
+    """The bound parameters of a write of ``awaiting`` (:meth:`Statements.settle_receipts`,
+    :attr:`Statements.dispatched_awaiting`)."""
+    return {
+        "p_entries": awaiting.entries,
+        "p_due": None if awaiting.due is None else float(awaiting.due),
+        "p_hold": float(awaiting.hold),
+    }
+
+
+class SQLReceipts(StoreReceipts):
+    """:class:`~taskonce.stores.base.StoreReceipts` on the SQL store's keys table: the part of
+    :class:`~taskonce.stores.sql.SQLStore` the relay's look at receipts uses
+    (:mod:`taskonce.receipts`). It runs the store's statements on the store's connection."""
+
+    _sql: Statements
+
+    @abc.abstractmethod
+    def _connect(self, operation: str) -> contextlib.AbstractContextManager[Connection]:
+        """A connection for ``operation`` (database errors raised as StoreUnavailable)."""
+
+    def take_receipts(self, key: str, token: str, lease: float) -> ReceiptLease:
+        """Take the lease (UPDATE fenced by due time and any other live lease), then read what
+        was taken: two statements on one connection, as :meth:`take_sends`."""
+        check_token("token", token)
+        params = {"p_key": key, "p_token": token, "p_lease": float(lease)}
+        with self._connect("take_receipts") as connection:
+            taken = _rowcount(connection.execute(self._sql.take_receipts, params)) == 1
+            row = connection.execute(self._sql.read_receipts, params).one_or_none()
+        if row is None:
+            return ReceiptLease()  # none awaited, not due yet, given up on, or gone
+        entries, holder, remaining, late = row
+        if taken and holder == token and entries is not None:
+            return ReceiptLease(entries, late=max(float(late), 0.0))
+        return ReceiptLease(retry_after=max(float(remaining or 0.0), 0.0))
+
+    def settle_receipts(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
+        params: dict[str, Any] = {"p_key": key, "p_token": token}
+        statement = self._sql.clear_receipts
+        if awaiting is not None:
+            statement = self._sql.settle_receipts
+            params.update(awaiting_params(awaiting))
+        with self._connect("settle_receipts") as connection:
+            return _rowcount(connection.execute(statement, params)) == 1
+
+    def have_records(self, keys: Sequence[str]) -> list[bool]:
+        """One ``SELECT key … WHERE key IN (…)`` of the live records; the answer in ``keys``'
+        order."""
+        if not keys:
+            return []
+        unique = list(dict.fromkeys(keys))
+        with self._connect("have_records") as connection:
+            rows = connection.execute(self._sql.have_records, {"p_keys": unique})
+            found = {str(row[0]) for row in rows}
+        return [key in found for key in keys]
+
+    def due_for_relay(self, older_than: float = 0.0, limit: int = 100) -> DueForRelay:
+        """One statement (:meth:`Statements._due_for_relay`): both halves, each oldest first."""
+        params = {"p_age": float(older_than), "p_limit": int(limit)}
+        sends: list[tuple[float, str]] = []
+        receipts: list[tuple[float, str]] = []
+        with self._connect("due_for_relay") as connection:
+            for kind, key, at in connection.execute(self._sql.due_for_relay, params):
+                (sends if kind == "s" else receipts).append((float(at), str(key)))
+        # UNION ALL keeps no order of its own: each half is sorted here (at most limit rows).
+        return DueForRelay([k for _, k in sorted(sends)], [k for _, k in sorted(receipts)])
+
+
+__all__ = ["SQLReceipts", "awaiting_params"]
