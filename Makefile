@@ -59,7 +59,7 @@ bench: $(STAMP)
 # queued (docs/reliability.md). Dramatiq's hand-off variant publishes DRAMATIQ_HANDOFF_RATE
 # messages a second (--rate wins over --messages): the rate its workers sustained on the
 # 2-CPU machine of docs/reliability.md; measure yours with the report's bodies_per_s.
-DRAMATIQ_HANDOFF_RATE ?= 2
+DRAMATIQ_HANDOFF_RATE ?= 1.5
 chaos: $(STAMP)
 	$(PY) -m tools.soak.soak --framework celery $(CHAOS_ARGS)
 	$(PY) -m tools.soak.soak --framework dramatiq $(CHAOS_ARGS)

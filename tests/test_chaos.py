@@ -131,6 +131,16 @@ def test_the_drain_publishes_lost_parents_again_and_leaves_children_to_taskonce(
     assert split.undispatched == ["k3"]  # its parent's sends are still the relay's to publish
 
 
+def test_a_child_its_guard_claimed_is_published_again_when_its_retry_is_lost() -> None:
+    # k1's child arrived and failed (its guard noted it: the receipt) and the framework lost
+    # its retry: published again like a parent; k2's child never arrived: taskonce's
+    missing = [("k1", "child"), ("k2", "child")]
+    ids = {("k1", "child"): "c1", ("k2", "child"): "c2"}
+    split = lost_by_broker(missing, ids, {"c1": "released"}, {"k1", "k2"}, frozenset({"c1"}))
+    assert split.republish == [("k1", "child")]
+    assert split.waiting == ["k2"] and split.undispatched == []
+
+
 def test_a_handled_item_without_its_row_fails() -> None:
     missing = [("k1", "child")]
     ids = {("k1", "child"): "c1"}

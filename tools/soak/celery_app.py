@@ -27,8 +27,11 @@ CONFIG = Config.from_env() if "CHAOS_CONFIG" in os.environ else None
 app = Celery("chaos", broker=CONFIG.broker if CONFIG else "memory://")
 app.conf.update(
     task_default_queue=CONFIG.namespace if CONFIG else "chaos",
-    # the children on their own queue, consumed alongside (kombu takes the queues in turn)
-    task_queues=[Queue(CONFIG.namespace), Queue(CONFIG.child_queue)] if CONFIG else None,
+    # The children on a queue of their own, served first: a child waiting behind a backlog of
+    # parents for longer than confirm_within would be re-sent for being slow, and with the
+    # queues taken in turn (kombu's default) each such copy takes a child's turn, so the
+    # children's queue grows when the workers do not keep up with the parents.
+    task_queues=[Queue(CONFIG.child_queue), Queue(CONFIG.namespace)] if CONFIG else None,
     task_routes={"chaos.child": {"queue": CONFIG.child_queue}} if CONFIG else None,
     worker_prefetch_multiplier=1,
     worker_lost_wait=1.0,
@@ -42,6 +45,8 @@ app.conf.update(
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
         "unacked_mutex_expire": 10,
+        # the queues in the order of task_queues, the children's first (below)
+        "queue_order_strategy": "priority",
     },
     task_ignore_result=True,
     taskonce_store_retry_delay=0.5,

@@ -24,6 +24,11 @@ rows and the broker holds no message (the *drain*), and checks the ledger key by
 - Redis store (not transactional): none lost, and a key with a second row only where a fault
   hit it mid-body, each such key explained by its events or by a fault on its process.
 
+A parent the broker lost is published again by the soak, as a producer would. A child
+(``--handoff``) never is: delivering it is taskonce's job once its parent's outcome is recorded,
+and the run fails if its receipts do not repair a child the broker lost
+(:mod:`tools.soak.children` counts what they did).
+
 Output: a run folder (``events.jsonl``, ``faults.jsonl``, the workers' logs, ``report.json``)
 and one summary line. Exit status 0 only if the promise held.
 
@@ -433,6 +438,9 @@ class Soak:
         self.started = time.monotonic()
         #: keys the broker or framework lost (never delivered to a guarded handler)
         self.broker_lost: list[str] = []
+        #: keys whose child its guard had claimed, but whose retry or redelivery the framework
+        #: lost: published again by the soak, as a parent
+        self.child_retries_lost: list[str] = []
         #: keys whose parent has its row but whose child has none, the broker empty: since when
         self.child_missing_since: dict[str, float] = {}
         #: times the drain restarted the workers to free messages stuck with a live consumer
@@ -787,8 +795,13 @@ class Soak:
         (see :meth:`_drain`). None while the run may go on."""
         events = self._events()
         last = {str(event.get("message_id")): str(event["event"]) for event in events}
+        claimed = frozenset(
+            str(event.get("message_id"))
+            for event in events
+            if event["event"] in ("claimed", "lease_taken_over")
+        )
         message_ids = {item: self._message_id(*item) for item in missing}
-        split = lost_by_broker(missing, message_ids, last, self._dispatched(events))
+        split = lost_by_broker(missing, message_ids, last, self._dispatched(events), claimed)
         if split.failure is not None:
             return split.failure
         given_up = {
@@ -822,7 +835,7 @@ class Soak:
             )
         for key, kind in split.republish:
             message_id = message_ids[(key, kind)]
-            self.broker_lost.append(key)
+            (self.broker_lost if kind == "parent" else self.child_retries_lost).append(key)
             self.log_fault(
                 "republished_lost",
                 key=key,
@@ -970,6 +983,8 @@ class Soak:
                     "child_grace_s": round(self.child_grace, 1),
                     **children.as_report(),
                     "children_failure": children.failure,
+                    "child_retries_lost": len(self.child_retries_lost),
+                    "child_retries_lost_keys": self.child_retries_lost[:100],
                 }
                 if self.options.handoff
                 else {}
@@ -1048,9 +1063,11 @@ def judge(
 class LostSplit:
     """What the drain does with the items still missing once the broker holds nothing."""
 
-    #: (key, "parent") the broker or the framework lost: published again with the same id
+    #: (key, kind) the broker or the framework lost: published again with the same id (a
+    #: parent; a child only once its guard had claimed it: its retry or redelivery was lost)
     republish: list[tuple[str, str]]
-    #: keys whose parent has its row but whose child has none: taskonce's to deliver
+    #: keys whose parent has its row but whose child never reached its guard: taskonce's to
+    #: deliver
     waiting: list[str]
     #: of those, the keys whose parent's sends the guard has not published yet
     undispatched: list[str]
@@ -1063,16 +1080,20 @@ def lost_by_broker(
     message_ids: dict[tuple[str, str], str],
     last: dict[str, str],
     dispatched: set[str],
+    claimed: frozenset[str] = frozenset(),
 ) -> LostSplit:
     """Sort the missing ``(key, kind)`` items, given each one's message id, the last guard
-    event of each message id, and the keys whose parent's deferred sends were published.
+    event of each message id, the keys whose parent's deferred sends were published, and the
+    message ids a guard ever claimed.
 
     An item whose last event says handled (completed, marked, skipped) but that has no row was
     lost by taskonce: a failure. A parent that was not: lost by the broker or the framework,
-    published again. A child is never published again by the soak: one whose parent is missing
-    too waits for its parent; one whose parent has its row waits for taskonce (the relay
-    publishes its parent's sends while they are pending, ``undispatched``; the receipts publish
-    it again when the broker lost it), and the caller fails the run if that never happens.
+    published again. A child whose parent is missing too waits for its parent. A child that
+    never reached its guard is taskonce's to deliver: it waits (the relay publishes its
+    parent's sends while they are pending, ``undispatched``; the receipts publish it again when
+    the broker lost it), and the caller fails the run if that never happens. A child its guard
+    had claimed (its run failed, or its process died) has its receipt: the framework owed it a
+    retry or a redelivery and lost that, as it can lose a parent's: published again like one.
     """
     republish: list[tuple[str, str]] = []
     waiting: list[str] = []
@@ -1081,7 +1102,7 @@ def lost_by_broker(
         if last.get(message_ids[(key, kind)]) in HANDLED_EVENTS:
             failure = f"{key}/{kind} was recorded as handled but has no ledger row"
             return LostSplit([], [], [], failure)
-        if kind == "parent":
+        if kind == "parent" or message_ids[(key, kind)] in claimed:
             republish.append((key, kind))
         elif (key, "parent") in missing:
             continue  # its parent runs first, then sends it
@@ -1094,6 +1115,11 @@ def lost_by_broker(
 
 def summary(report: dict[str, Any]) -> str:
     faults = ", ".join(f"{kind}={n}" for kind, n in report["faults"].items()) or "none"
+    retries = (
+        f" + {report.get('child_retries_lost', 0)} children whose retry was lost"
+        if report.get("handoff")
+        else ""
+    )
     children = (
         f" · children repaired by taskonce {report.get('children_repaired', 0)} (re-sends "
         f"finding the child already run {report.get('resends_found_run', 0)}, send_unconfirmed "
@@ -1105,7 +1131,7 @@ def summary(report: dict[str, Any]) -> str:
         f"{report['variant']}: {'HELD' if report['held'] else 'BROKEN'} · "
         f"{report['messages']} messages · {report['faults_total']} faults ({faults}) · "
         f"lost {report['lost']} · broker lost (published again) {report['broker_lost']}"
-        f"{children} · "
+        f"{retries}{children} · "
         f"doubled {report['doubled']} · explained {report['explained']}"
         f" · drain {report['drain_s']} s · {report['folder']}"
     )

@@ -25,10 +25,20 @@ def table(reports: list[dict[str, object]]) -> str:
         faults = ", ".join(f"{k} {v}" for k, v in dict(r["faults"]).items())  # type: ignore[call-overload]
         lines.append(
             f"| {r['variant']} | {r['messages']} | {r['injected_s']} s | {r['faults_total']}: "
-            f"{faults} | {r['lost']} | {r.get('broker_lost', 0)} | {children(r)} | {r['doubled']} "
+            f"{faults} | {r['lost']} | {broker_lost(r)} | {children(r)} | {r['doubled']} "
             f"| {r['explained']} | {r['drain_s']} s | {'yes' if r['held'] else '**no**'} |"
         )
     return "\n".join(lines)
+
+
+def broker_lost(report: dict[str, object]) -> str:
+    """Messages the broker or the framework lost, published again by the soak: parents, and in
+    a hand-off run the children whose retry (or redelivery) was lost after their guard had
+    claimed them."""
+    text = f"{report.get('broker_lost', 0)}"
+    if report.get("handoff"):
+        text += f" + {report.get('child_retries_lost', 0)} child retries"
+    return text
 
 
 def children(report: dict[str, object]) -> str:
