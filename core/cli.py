@@ -34,7 +34,7 @@ from taskonce.exits import (
     extra_hint,
 )
 from taskonce.guard import Guard
-from taskonce.keys import _escape_queue, make_key
+from taskonce.keys import _escape_queue, make_key, queue_of
 from taskonce.stores import Store, open_store, redact
 
 DEFAULT_STORE_PATH = "taskonce.db"
@@ -135,8 +135,7 @@ def _key(args: argparse.Namespace) -> str:
 
 def _queue_of(key: str) -> str:
     """The queue part of a key (keys of identity ``id`` have none: ``-``)."""
-    head, separator, _ = key.partition(":")
-    return head.replace("%3A", ":").replace("%25", "%") if separator else "-"
+    return queue_of(key) or "-"
 
 
 def _when(timestamp: float, utc: bool) -> str:

@@ -124,7 +124,9 @@ class Dispatcher:
                     )
                     return None
                 try:
-                    found.append(publish(send))
+                    receipt = publish(send)
+                    # a publisher that answers anything else awaits nothing (the default)
+                    found.append(receipt if isinstance(receipt, Receipt) else None)
                 except Exception as exc:
                     logger.warning(
                         "publishing deferred send %s of %s failed (%s: %s); it stays pending for "

@@ -192,7 +192,10 @@ class Guard:
         if not policy.enabled:
             return Ticket(delivery, policy, Decision.UNGUARDED)
         key = make_key(delivery.message_id, delivery.queue, policy.identity)
-        fp = fingerprint(delivery.task, args, kwargs or {}) if policy.check_payload else None
+        # A replacement carries the id of the task it replaced, not its payload: no fingerprint,
+        # so a late copy of the replaced message is a duplicate, not a mismatch.
+        check = policy.check_payload and not delivery.replaced
+        fp = fingerprint(delivery.task, args, kwargs or {}) if check else None
         ticket = Ticket(delivery, policy, Decision.RUN, key=key, fingerprint=fp)
         try:
             if policy.mode == "eager":

@@ -27,6 +27,12 @@ def _escape_queue(queue: str) -> str:
     return queue.replace("%", "%25").replace(":", "%3A")
 
 
+def queue_of(key: str) -> str | None:
+    """The queue of a key that :func:`make_key` made (None for identity ``id``: no queue)."""
+    head, separator, _ = key.partition(":")
+    return head.replace("%3A", ":").replace("%25", "%") if separator else None
+
+
 def make_key(message_id: object, queue: object, identity: str) -> str:
     """The store key of a delivery: ``queue:message_id`` (identity ``id+queue``) or the id alone.
 

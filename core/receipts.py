@@ -23,8 +23,8 @@ No write on the receiver's path: its guard's ordinary record is the receipt. For
 that record is the mark written after its handler, so ``confirm_within`` must exceed the time a
 message may wait in its queue plus the handler's run; an eager receiver's claim is written when
 it starts. A run that fails leaves no record of its key (the retry must be able to claim it), so
-the guard marks ``<key>~received`` then (:func:`note_failure`): a retry waiting out its
-countdown is not taken for a lost message.
+the guard marks ``<key>\x1freceived`` then (:func:`note_failure`; :data:`RECEIVED_SUFFIX`): a
+retry waiting out its countdown is not taken for a lost message.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from taskonce.errors import StoreUnavailable, TaskonceError
 from taskonce.events import Event, make_event
 from taskonce.handoff import Receipt, Send
+from taskonce.keys import queue_of
 from taskonce.policy import RECEIPT_WINDOW
 from taskonce.stores.base import Awaiting, Store
 
@@ -58,8 +59,12 @@ RETRY_PUBLISH = 5.0
 #: A delivery whose handler failed leaves no record of its key (an eager claim is released for
 #: the retry; a lazy run marks nothing), yet it arrived: the guard marks its key with this
 #: suffix, and a receipt counts it. Otherwise a retry waiting out its countdown would look
-#: like a lost message, and each copy sent again would start a retry chain of its own.
-RECEIVED_SUFFIX = "~received"
+#: like a lost message, and each copy sent again would start a retry chain of its own. It
+#: starts with a control character, which no message id or queue may contain
+#: (:func:`taskonce.keys.make_key`), so the mark is never the key of a message: with a
+#: printable suffix such as ``~received``, a message whose id is ``<id>~received`` would be
+#: skipped as a duplicate once ``<id>`` had failed.
+RECEIVED_SUFFIX = "\x1freceived"
 
 
 def received_key(key: str) -> str:
@@ -289,6 +294,7 @@ def _unconfirmed(dispatcher: Dispatcher, key: str, entry: Entry) -> None:
     dispatcher.sinks.send(
         make_event(
             Event.SEND_UNCONFIRMED,
+            queue=queue_of(entry.key),
             message_id=send.id,
             task=name,
             framework=send.framework,

@@ -166,11 +166,19 @@ def test_stats_per_queue_with_marked_apart_from_completed(tmp_path: Path) -> Non
     assert code == 0
     lines = text.splitlines()
     assert lines[0] == f"SQLStore {url} (table jobs)"
-    assert lines[1].split() == ["queue", "keys", "claimed", "completed", "marked", "unsent"]
+    assert lines[1].split() == [
+        "queue",
+        "keys",
+        "claimed",
+        "completed",
+        "marked",
+        "unsent",
+        "receipts",
+    ]
     assert [line.split() for line in lines[2:5]] == [
-        ["mail:box", "2", "1", "0", "1", "0"],
-        ["payments", "2", "0", "1", "1", "0"],
-        ["all", "4", "1", "1", "2", "0"],
+        ["mail:box", "2", "1", "0", "1", "0", "0"],
+        ["payments", "2", "0", "1", "1", "0", "0"],
+        ["all", "4", "1", "1", "2", "0", "0"],
     ]
     code, text = run("stats", "--store", url, "--table", "jobs", "--json")
     data = json.loads(text)
@@ -181,6 +189,7 @@ def test_stats_per_queue_with_marked_apart_from_completed(tmp_path: Path) -> Non
         "completed": 1,
         "marked": 1,
         "sends_pending": 0,
+        "receipts": 0,
     }
     code, text = run("stats", "--store", url, "--table", "jobs", "--queue", "mail:box", "--json")
     data = json.loads(text)
@@ -271,7 +280,15 @@ def test_table_selects_the_sql_table_on_postgresql() -> None:
     try:
         _fill(POSTGRES_URL, table=table)
         code, text = run("stats", "--store", POSTGRES_URL, "--table", table, "--queue", "payments")
-        assert code == 0 and text.splitlines()[2].split() == ["payments", "2", "0", "1", "1", "0"]
+        assert code == 0 and text.splitlines()[2].split() == [
+            "payments",
+            "2",
+            "0",
+            "1",
+            "1",
+            "0",
+            "0",
+        ]
     finally:
         drop_store(taskonce.open_store(POSTGRES_URL, table=table))
 

@@ -116,3 +116,19 @@ def test_ids_are_stable_per_depth(depth: int) -> None:
     again = begin(guard, replaced=depth)
     assert send_two(again) == ids
     guard.fail(again)
+
+
+def test_a_late_copy_of_the_replaced_message_is_a_duplicate_not_a_payload_mismatch() -> None:
+    """The replacement (another task, other arguments, the same id) records the key without a
+    fingerprint: the replaced message coming back later (its worker died after the replace)
+    is skipped, not dead-lettered as a payload mismatch."""
+    guard, events, _ = make_guard(taskonce.open_store("memory://"))
+    first = guard.begin(Delivery("m-1", "jobs", task="t"), (1,))
+    assert first.decision is Decision.RUN
+    guard.store.release("jobs:m-1", None)  # the replace released the claim
+    handoff.end_capture(first)
+    replacement = Delivery("m-1", "jobs", task="other", replaced=1)
+    assert guard.execute(replacement, lambda x: x, ("z",)).status == "ran"
+    late = guard.execute(Delivery("m-1", "jobs", task="t"), lambda x: x, (1,))
+    assert late.status == "skipped"
+    assert "payload_mismatch" not in events.names()

@@ -335,7 +335,7 @@ def test_prometheus_counts_unconfirmed_sends(memory: MemoryStore, clock: Clock) 
     for _ in range(6):
         clock.now += 1000
         guard.relay(older_than=0)
-    labels = {"event": "unconfirmed", "queue": "", "task": "child", "framework": "python"}
+    labels = {"event": "unconfirmed", "queue": "child", "task": "child", "framework": "python"}
     assert registry.get_sample_value("taskonce_sends_total", labels) == 1.0
 
 
@@ -404,7 +404,7 @@ def test_a_failed_run_waiting_for_its_retry_is_not_taken_for_a_lost_message(
     memory: MemoryStore, clock: Clock
 ) -> None:
     """The child arrived, failed and released its claim for a retry due later than
-    confirm_within: its failure left `<key>~received`, so it is not sent again (each copy
+    confirm_within: its failure left `<key>\\x1freceived`, so it is not sent again (each copy
     would start a retry chain of its own)."""
     guard, events, _ = setup(memory)
     child = send_one(guard)
@@ -420,3 +420,22 @@ def test_a_failed_run_waiting_for_its_retry_is_not_taken_for_a_lost_message(
     guard.relay(older_than=0)
     assert not events.named("sends_redispatched")
     assert memory.stats()["receipts_awaited"] == 0
+
+
+def test_the_mark_of_a_failed_run_never_names_a_message(memory: MemoryStore) -> None:
+    """The mark a failed run leaves is not the key of any message: a message whose id is
+    ``<id>~received`` still runs after ``<id>`` failed (with the mark at ``<key>~received`` it
+    was skipped as a duplicate), and no id can end with the mark's suffix."""
+
+    def fails() -> None:
+        raise RuntimeError("fails")
+
+    for identity in ("id+queue", "id"):
+        guard = taskonce.Guard(memory, default=taskonce.Policy(confirm_within=0, identity=identity))
+        with pytest.raises(RuntimeError):
+            guard.run(f"order-42-{identity}", "q", fails)
+        ran: list[int] = []
+        assert guard.run(f"order-42-{identity}~received", "q", ran.append, 1).status == "ran"
+        assert ran == [1]
+        with pytest.raises(taskonce.InvalidInput):
+            guard.run(f"order-42-{identity}{receipts.RECEIVED_SUFFIX}", "q", ran.append, 2)

@@ -6,8 +6,10 @@ prefix (queue names ``{prefix}.eager``, ``.lazy``, ``.tx``, ``.off``, ``.plain``
 or table (SQL). ``TO_EVENTS``: JSONL events file. ``TO_PG``: the PostgreSQL URL of the run-count
 tables. ``TO_LEASE``: lease of the guarded queues (``default``: the Policy's). ``TO_VISIBILITY``: Redis visibility timeout.
 ``TO_STORE_RETRY_DELAY``: ``taskonce_store_retry_delay``. ``TO_START_TIMEOUT``:
-``taskonce_start_timeout``. ``TO_READY``: file written when the
-worker is ready.
+``taskonce_start_timeout``. ``TO_RELAY_EVERY``: ``taskonce_relay_every``.
+``TO_CONFIRM_WITHIN``: the default policy's ``confirm_within`` (receipts). ``TO_PROMETHEUS=1``:
+a :class:`taskonce.PrometheusEvents` sink too (set ``PROMETHEUS_MULTIPROC_DIR``).
+``TO_READY``: file written when the worker is ready.
 
 Configuration-error switches (each test of them uses its own worker): ``TO_BAD_TASK=1`` declares
 ``t.wants_sql`` with ``idempotency={"transactional": True}`` (the worker must refuse to start on
@@ -88,9 +90,11 @@ if ENV.get("TO_DLX"):
     from tests.celery.queues import dead_lettered_queue
 
     app.conf.task_queues = [dead_lettered_queue(PREFIX)]
-DEFAULT_POLICY = (
+DEFAULT_POLICY: dict[str, Any] = (
     {"mode": "eager"} if LEASE == "default" else {"mode": "eager", "lease": float(LEASE)}
 )
+if ENV.get("TO_CONFIRM_WITHIN"):
+    DEFAULT_POLICY["confirm_within"] = float(ENV["TO_CONFIRM_WITHIN"])
 if ENV.get("TO_SETTINGS_TYPO"):
     app.conf.update(taskonce_store=STORE, taskonce_default={"mdoe": "lazy"})
     setup(app)  # raises while `celery worker` imports this module
@@ -106,7 +110,10 @@ else:
         taskonce.open_store(STORE, **store_options),
         default=DEFAULT_POLICY,
         queues=queues,
-        events=[taskonce.JsonlEvents(ENV["TO_EVENTS"])] if ENV.get("TO_EVENTS") else [],
+        events=[
+            *([taskonce.JsonlEvents(ENV["TO_EVENTS"])] if ENV.get("TO_EVENTS") else []),
+            *([taskonce.PrometheusEvents()] if ENV.get("TO_PROMETHEUS") else []),
+        ],
         # A dead recorder's sends wait for its hold to run out (min(dispatch_lease, 10 s))
         # before a redelivery or the relay publishes them: 3 s here, so the crash tests wait
         # 3 s for it instead of 10; publishing takes milliseconds on loopback.
@@ -521,6 +528,43 @@ def early_sender(self: Any, table: str, label: str, child: str) -> str:
     if runs == 1:
         arm_kill(1)
     return label
+
+
+# -- receipts: a child sent to a queue of the test's choosing ---------------------------------
+
+
+def _send_to(
+    self: Any,
+    table: str,
+    label: str,
+    queue: str,
+    child: str,
+    countdown: float = 0.0,
+    task: str = "t.record",
+) -> str:
+    """Sends ``task(table, child)`` (``t.record`` by default) to ``queue`` (``countdown``
+    seconds later, if given)."""
+    count_run(table, self, label)
+    app.tasks[task].apply_async((table, child), queue=queue, countdown=countdown or None)
+    return label
+
+
+send_to = app.task(base=IdempotentTask, bind=True, acks_late=True, name="t.send_to")(_send_to)
+#: ``t.send_to`` whose sends are looked for after 1 s (the receipts' tries in 15 s)
+send_to_1s = app.task(
+    base=IdempotentTask,
+    bind=True,
+    acks_late=True,
+    idempotency={"confirm_within": 1.0},
+    name="t.send_to_1s",
+)(_send_to)
+
+
+@app.task(base=IdempotentTask, bind=True, acks_late=True, max_retries=2, name="t.retrying")
+def retrying(self: Any, table: str, label: str) -> str:
+    """Fails every run and retries 3 s later, twice: three runs, then it fails for good."""
+    count_run(table, self, label)
+    raise self.retry(countdown=3)
 
 
 @signals.worker_ready.connect

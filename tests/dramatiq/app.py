@@ -37,6 +37,9 @@ import taskonce
 from taskonce.dramatiq_ext import IdempotencyMiddleware
 
 CONFIG_ENV = "TASKONCE_DQ_TEST_CONFIG"
+#: Queues of the receipts tests' children (``{namespace}_{name}``, actor ``r_{name}``), none
+#: consumed by a worker started with ``queues=Harness.MAIN_QUEUES``.
+RECEIPT_QUEUES = ("rchild", "rstep", "routbox", "rdown")
 _TABLE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
@@ -64,6 +67,10 @@ class Config:
     #: give ``misconfigured`` that option as each of its messages is processed, after the boot
     #: checks passed (a configuration error met at run time)
     break_at_run: bool = False
+    relay_every: float = 30.0  # the middleware's relay_every (s)
+    confirm_within: float | None = None  # the default policy's (s); None: the Policy's default
+    #: a taskonce.PrometheusEvents sink too, in processes with PROMETHEUS_MULTIPROC_DIR set
+    prometheus: bool = False
 
     def to_env(self) -> dict[str, str]:
         return {CONFIG_ENV: json.dumps(dataclasses.asdict(self))}
@@ -222,11 +229,19 @@ def make_guard(config: Config) -> taskonce.Guard:
     }
     if config.sql_store:
         queues[config.queue("txn")] = {"transactional": True}
+    default: dict[str, Any] = {}
+    if config.lease is not None:
+        default["lease"] = config.lease
+    if config.confirm_within is not None:
+        default["confirm_within"] = config.confirm_within
+    events: list[Any] = [taskonce.JsonlEvents(config.events)]
+    if config.prometheus and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        events.append(taskonce.PrometheusEvents())
     return taskonce.Guard(
         store,
-        default=taskonce.Policy() if config.lease is None else taskonce.Policy(lease=config.lease),
+        default=taskonce.Policy(**default),
         queues=queues,
-        events=[taskonce.JsonlEvents(config.events)],
+        events=events,
         # A dead recorder's sends wait for its hold to run out (min(dispatch_lease, 10 s))
         # before a redelivery or the relay publishes them: 3 s here, so the crash tests wait
         # 3 s for it instead of 10; publishing takes milliseconds on loopback.
@@ -261,6 +276,7 @@ def build(config: Config) -> App:
             store_error_min_backoff=config.store_error_backoff,
             store_error_max_backoff=config.store_error_backoff * 4,
             start_timeout=config.start_timeout,
+            relay_every=config.relay_every,
         )
         broker.add_middleware(middleware)
         if config.break_at_run:
@@ -431,6 +447,36 @@ def build(config: Config) -> App:
         if kill_at and run == 1:
             arm_kill(kill_at)
         return int(previous or 0) + 1
+
+    # -- receipts: children on queues of their own (see RECEIPT_QUEUES) --------------------
+
+    def receiver(queue: str) -> Any:
+        @actor(config.queue(queue), name=f"r_{queue}")
+        def receive(table: str, label: str = "", previous: Any = None) -> None:
+            """A guarded child that counts its run (``previous``: a pipeline's last result)."""
+            runs.record(table)
+
+        return receive
+
+    for name in RECEIPT_QUEUES:
+        receiver(name)
+
+    def send_to(table: str, label: str, actor_name: str, delay: int = 0) -> None:
+        """Sends ``actor_name(table, label)`` (``delay`` ms later, if given)."""
+        runs.record(table)
+        actors[actor_name].send_with_options(args=(table, label), delay=delay or None)
+
+    actor(main, name="r_send")(send_to)
+
+    @actor(main, name="r_retrying", max_retries=2, min_backoff=3000, max_backoff=3000)
+    def retrying(table: str, label: str) -> None:
+        """Fails every run and is retried by Dramatiq (1.5 to 3 s later), twice: three runs,
+        then dead-lettered."""
+        runs.record(table)
+        raise RuntimeError("r_retrying fails on purpose")
+
+    # its sends are looked for after 1 s (the receipts' tries in 15 s)
+    actor(main, name="r_send_1s", idempotency={"confirm_within": 1.0})(send_to)
 
     @actor(main, idempotency=False)
     def ping(table: str) -> None:

@@ -28,7 +28,7 @@ from dramatiq import Message
 
 from taskonce.events import read_jsonl
 from taskonce.stores import Store
-from tests.dramatiq.app import App, Config, build
+from tests.dramatiq.app import RECEIPT_QUEUES, App, Config, build
 from tests.helpers import POSTGRES_URL, REDIS_URL, drop_store, require_service, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,10 +60,17 @@ RABBIT_REDIS = Stack("rabbitmq", "redis")
 class Worker:
     """One ``python -m dramatiq tests.dramatiq.worker_app`` process group."""
 
-    def __init__(self, config: Config, log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        log: Path,
+        env: dict[str, str] | None = None,
+        queues: list[str] | None = None,
+    ) -> None:
         self.config = config
         self.log = log
         self.env = env or {}
+        self.queues = queues  # consume only these (names without the namespace); None: all
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Worker:
@@ -82,6 +89,7 @@ class Worker:
                     "2",
                     "--path",
                     str(ROOT),
+                    *(["--queues", *map(self.config.queue, self.queues)] if self.queues else []),
                 ],
                 cwd=ROOT,
                 env=env,
@@ -120,10 +128,14 @@ class Harness:
 
     # -- workers ---------------------------------------------------------------------------
 
-    def start_worker(self, ready: bool = True, env: dict[str, str] | None = None) -> Worker:
-        """Start a worker (with ``env`` added to its environment); wait until it is ready."""
+    def start_worker(
+        self, ready: bool = True, env: dict[str, str] | None = None, queues: list[str] | None = None
+    ) -> Worker:
+        """Start a worker (with ``env`` added to its environment; consuming only ``queues``, names
+        without the namespace, when given); wait until it is ready (its pings need the main
+        queues)."""
         log = self.tmp / f"worker-{len(self.workers)}.log"
-        worker = Worker(self.config, log, env).start()
+        worker = Worker(self.config, log, env, queues).start()
         self.workers.append(worker)
         if ready:
             self.wait_ready(worker)
@@ -284,7 +296,7 @@ def cleanup_broker(config: Config) -> None:
         with contextlib.suppress(Exception):
             connection = pika.BlockingConnection(pika.URLParameters(config.broker))
             channel = connection.channel()
-            for name in ("main", "lazy", "txn", "open"):
+            for name in ("main", "lazy", "txn", "open", *RECEIPT_QUEUES):
                 for suffix in ("", ".DQ", ".XQ"):
                     channel.queue_delete(queue=config.queue(name) + suffix)
             connection.close()
