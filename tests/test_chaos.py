@@ -21,7 +21,7 @@ import pytest
 
 from tests.helpers import IN_CI, require_service
 from tools.soak.children import account, grace
-from tools.soak.soak import judge, lost_by_broker
+from tools.soak.verdict import judge, lost_by_broker
 
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = {"celery": 1101, "dramatiq": 2202}
