@@ -2,9 +2,11 @@
 ``CHAOS_CONFIG`` (see :mod:`tools.soak.common`).
 
 ``chaos.pay(key)`` writes a run row, sleeps, writes its ledger row and (hand-off variant) sends
-``chaos.child(key)``, which writes a ledger row of kind ``child``. Both are guarded, acks_late,
-requeued when their pool process dies, and retried on any error (a terminated PostgreSQL
-backend, a store that cannot be reached mid-body): a message is never given up.
+``chaos.child(key)`` on a queue of its own, which writes a ledger row of kind ``child``. Both
+are guarded (the hand-off's receipts look for each child ``confirm_within`` seconds after its
+publish and publish it again if it never arrived), acks_late, requeued when their pool process
+dies, and retried on any error (a terminated PostgreSQL backend, a store that cannot be reached
+mid-body): a message is never given up.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery, signals
+from kombu import Queue
 
 import taskonce
 from taskonce.celery_ext import IdempotentTask, setup
@@ -24,6 +27,12 @@ CONFIG = Config.from_env() if "CHAOS_CONFIG" in os.environ else None
 app = Celery("chaos", broker=CONFIG.broker if CONFIG else "memory://")
 app.conf.update(
     task_default_queue=CONFIG.namespace if CONFIG else "chaos",
+    # The children on a queue of their own, served first: a child waiting behind a backlog of
+    # parents for longer than confirm_within would be re-sent for being slow, and with the
+    # queues taken in turn (kombu's default) each such copy takes a child's turn, so the
+    # children's queue grows when the workers do not keep up with the parents.
+    task_queues=[Queue(CONFIG.child_queue), Queue(CONFIG.namespace)] if CONFIG else None,
+    task_routes={"chaos.child": {"queue": CONFIG.child_queue}} if CONFIG else None,
     worker_prefetch_multiplier=1,
     worker_lost_wait=1.0,
     broker_connection_retry_on_startup=True,
@@ -36,10 +45,12 @@ app.conf.update(
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
         "unacked_mutex_expire": 10,
+        # the queues in the order of task_queues, the children's first (below)
+        "queue_order_strategy": "priority",
     },
     task_ignore_result=True,
     taskonce_store_retry_delay=0.5,
-    taskonce_relay_every=5.0,
+    taskonce_relay_every=CONFIG.relay_every if CONFIG else 5.0,
 )
 if CONFIG is not None:
     store_options = (

@@ -18,7 +18,11 @@ from typing import Any
 
 import psycopg
 
+from taskonce.policy import RECEIPT_WINDOW
+
 ENV = "CHAOS_CONFIG"
+#: Seconds the hand-off soak keeps records (with receipts on): longer than any run.
+KEEP_FOR = 86400.0
 _NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
@@ -38,6 +42,16 @@ class Config:
     handoff: bool = False
     lease: float = 8.0
     body: float = 0.15  # seconds each body sleeps between its run row and its ledger row
+    #: hand-off: seconds after a child's publish its receipt is looked for; 0: receipts off
+    confirm_within: float = 0.0
+    relay_every: float = 5.0  # seconds between two sweeps of each worker's relay
+
+    @property
+    def child_queue(self) -> str:
+        """The hand-off's children's queue: their own, as a follow-up step's usually is, so a
+        child does not wait behind a backlog of parents (longer than ``confirm_within``, it
+        would be re-sent for being slow rather than lost)."""
+        return f"{self.namespace}_child"
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(dataclasses.asdict(self))}
@@ -47,7 +61,17 @@ class Config:
         return cls(**json.loads(os.environ[ENV]))
 
     def policy(self) -> dict[str, Any]:
-        return {"mode": self.mode, "lease": self.lease, "transactional": self.transactional}
+        policy: dict[str, Any] = {
+            "mode": self.mode,
+            "lease": self.lease,
+            "transactional": self.transactional,
+        }
+        if self.confirm_within:
+            # A receipt is looked for up to RECEIPT_WINDOW (15) x confirm_within after the
+            # publish, which must fit in half of keep_for: keep records a day, far more.
+            policy["confirm_within"] = self.confirm_within
+            policy["keep_for"] = max(KEEP_FOR, 2 * RECEIPT_WINDOW * self.confirm_within)
+        return policy
 
 
 def checked(name: str) -> str:

@@ -37,7 +37,10 @@ GUARD = taskonce.Guard(
 )
 broker.add_middleware(
     IdempotencyMiddleware(
-        GUARD, store_error_min_backoff=200, store_error_max_backoff=2000, relay_every=5.0
+        GUARD,
+        store_error_min_backoff=200,
+        store_error_max_backoff=2000,
+        relay_every=CONFIG.relay_every,
     )
 )
 dramatiq.set_broker(broker)
@@ -58,7 +61,7 @@ def pay(key: str) -> str:
     return key
 
 
-@dramatiq.actor(queue_name=CONFIG.namespace, actor_name="child", **RETRY)
+@dramatiq.actor(queue_name=CONFIG.child_queue, actor_name="child", **RETRY)
 def child(key: str) -> str:
     LEDGER.body(key, "child", _message_id())
     return key

@@ -24,6 +24,11 @@ rows and the broker holds no message (the *drain*), and checks the ledger key by
 - Redis store (not transactional): none lost, and a key with a second row only where a fault
   hit it mid-body, each such key explained by its events or by a fault on its process.
 
+A parent the broker lost is published again by the soak, as a producer would. A child
+(``--handoff``) never is: delivering it is taskonce's job once its parent's outcome is recorded,
+and the run fails if its receipts do not repair a child the broker lost
+(:mod:`tools.soak.children` counts what they did).
+
 Output: a run folder (``events.jsonl``, ``faults.jsonl``, the workers' logs, ``report.json``)
 and one summary line. Exit status 0 only if the promise held.
 
@@ -63,7 +68,9 @@ sys.path.insert(0, str(ROOT))
 from taskonce.handoff import derive_id  # noqa: E402
 from taskonce.keys import make_key  # noqa: E402
 from taskonce.worker import LIVENESS_WINDOW  # noqa: E402
+from tools.soak.children import account, grace  # noqa: E402
 from tools.soak.common import Config, create_tables, drop_tables  # noqa: E402
+from tools.soak.verdict import judge, lost_by_broker  # noqa: E402
 
 PG_URL = os.environ.get("TASKONCE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
 FAULTS = (
@@ -77,20 +84,13 @@ FAULTS = (
     "broker_restart",
 )
 REDIS_STORE_ONLY = ("store_stop", "store_kill")
-#: A key whose last event is one of these was recorded as handled: its row must be there.
 #: Seconds without progress (ledger rows, broker messages, guard events) while the broker
 #: still holds messages, after which the drain restarts the workers.
 STALL = 45.0
-HANDLED_EVENTS = frozenset({"completed", "marked", "duplicate_skipped", "concurrent_duplicate"})
+#: Seconds between two samples of the broker's backlog and the ledger's rows (report.json).
+SAMPLE_EVERY = 5.0
 #: Events that say a parent's deferred sends (its child) were published: the broker took them.
 DISPATCH_EVENTS = frozenset({"sends_dispatched", "sends_redispatched"})
-#: Seconds an empty broker may wait for the relay to publish a child whose parent has its row
-#: (the workers' relays sweep every 5 s); past that, the child is lost by taskonce.
-UNDISPATCHED_GRACE = 60.0
-#: Events that show the guard saw a fault on a key: a second run of it is explained by them.
-EXPLAINING_EVENTS = frozenset(
-    {"lease_taken_over", "lease_lost", "released", "store_error", "concurrent_duplicate"}
-)
 
 
 def psycopg_url(url: str) -> str:
@@ -304,17 +304,19 @@ class Publisher:
                 socket_connect_timeout=2,
             )
             self.broker.declare_queue(config.namespace)
+            self.broker.declare_queue(config.child_queue)
 
     def publish(self, key: str, message_id: str, kind: str = "parent") -> None:
         """Publish ``pay(key)`` (``kind`` "parent") or ``child(key)`` (``kind`` "child", as
         the hand-off would: same queue, same id)."""
         actor = "pay" if kind == "parent" else "child"
+        queue = self.config.namespace if kind == "parent" else self.config.child_queue
         if self.framework == "celery":
             self.app.send_task(
                 f"chaos.{actor}",
                 args=[key],
                 task_id=message_id,
-                queue=self.config.namespace,
+                queue=queue,
                 retry=False,
             )
             return
@@ -322,7 +324,7 @@ class Publisher:
 
         self.broker.enqueue(
             dramatiq.Message(
-                queue_name=self.config.namespace,
+                queue_name=queue,
                 actor_name=actor,
                 args=(key,),
                 kwargs={},
@@ -375,6 +377,10 @@ class Options:
     lease: float = 8.0
     body: float = 0.15
     keep: bool = False  # keep the PostgreSQL tables (for inspection)
+    #: hand-off: seconds after a child's publish its receipt is looked for (Policy)
+    confirm_within: float = 10.0
+    #: seconds between two sweeps of each worker's relay
+    relay_every: float = 5.0
 
     @property
     def variant(self) -> str:
@@ -410,7 +416,11 @@ class Soak:
             handoff=options.handoff,
             lease=options.lease,
             body=options.body,
+            confirm_within=options.confirm_within if options.handoff else 0.0,
+            relay_every=options.relay_every,
         )
+        #: seconds a missing child may wait for taskonce's receipts to repair it
+        self.child_grace = grace(options.confirm_within, options.relay_every)
         self.pg = psycopg.connect(psycopg_url(PG_URL), autocommit=True)
         self.workers: list[WorkerGroup] = []
         self.sent: dict[str, str] = {}  # key -> message id
@@ -423,12 +433,17 @@ class Soak:
         self.started = time.monotonic()
         #: keys the broker or framework lost (never delivered to a guarded handler)
         self.broker_lost: list[str] = []
-        #: keys whose child the broker lost after the guard had published it
-        self.broker_lost_children: list[str] = []
-        #: keys whose parent has its row but whose child was not dispatched: since when
-        self.undispatched_since: dict[str, float] = {}
+        #: keys whose child its guard had claimed, but whose retry or redelivery the framework
+        #: lost: published again by the soak, as a parent
+        self.child_retries_lost: list[str] = []
+        #: keys whose parent has its row but whose child has none, the broker empty: since when
+        self.child_missing_since: dict[str, float] = {}
         #: times the drain restarted the workers to free messages stuck with a live consumer
         self.drain_restarts = 0
+        #: (seconds since the start, messages the broker holds, ledger rows) every few seconds
+        #: while faults are injected: whether the workers keep up with the rate
+        self.samples: list[tuple[float, int, int]] = []
+        self.next_sample = 0.0
 
     # -- logging ---------------------------------------------------------------------------
 
@@ -487,8 +502,8 @@ class Soak:
 
     def run(self) -> dict[str, Any]:
         options = self.options
-        self.setup()
         try:
+            self.setup()  # inside: a worker that fails to start leaves no server running
             keys = [f"k{i:06d}" for i in range(options.messages)]
             pending = list(keys)
             begin = time.monotonic()
@@ -510,6 +525,9 @@ class Soak:
                         break
                     pending.pop(0)
                 self._run_scheduled(now)
+                if injecting and now >= self.next_sample:
+                    self._sample(now - begin)
+                    self.next_sample = now + SAMPLE_EVERY
                 self._supervise()
                 if injecting and allowed and now >= next_fault:
                     self._inject(self.random.choice(allowed))
@@ -538,6 +556,30 @@ class Soak:
         if kind == "parent":
             self.sent[key] = message_id
         return True
+
+    def _sample(self, elapsed: float) -> None:
+        try:
+            in_flight = self.publisher.in_flight(self.broker_client)
+            rows = self.pg.execute(f"SELECT count(*) FROM {self.config.ledger}").fetchone()
+        except (psycopg.Error, redis.RedisError):
+            return  # the broker is restarting: the next sample
+        self.samples.append((round(elapsed, 1), in_flight, int(rows[0]) if rows else 0))
+
+    def _throughput(self) -> dict[str, Any]:
+        """What the samples say about the rate: the bodies the workers completed a second over
+        the second half of the injection (steady state), the messages the broker held at its
+        end and at most. A backlog that grows through the run means the rate was more than
+        the workers sustain."""
+        if len(self.samples) < 4:
+            return {}
+        half = self.samples[len(self.samples) // 2 :]
+        (t0, _, rows0), (t1, backlog, rows1) = half[0], half[-1]
+        return {
+            "bodies_per_s": round((rows1 - rows0) / (t1 - t0), 1) if t1 > t0 else None,
+            "backlog_end": backlog,
+            "backlog_max": max(in_flight for _, in_flight, _ in self.samples),
+            "backlog_samples": self.samples[:: max(1, len(self.samples) // 40)],
+        }
 
     def _run_scheduled(self, now: float) -> None:
         due = [item for item in self.scheduled if item[0] <= now]
@@ -684,11 +726,13 @@ class Soak:
         by a consumer that died before recording it, a reply a restarting broker never sent.
         A careful producer publishes again what was not confirmed, with the same id; the soak
         does that too and counts it (``broker_lost``, with the key's last event in the faults
-        log). With ``--handoff`` a child is treated alike once its parent has its row and the
-        guard published its parent's sends (``sends_dispatched``): the soak publishes it again
-        under the id the hand-off derived for it (``broker_lost_children``). A child whose
-        parent's sends stay undispatched for :data:`UNDISPATCHED_GRACE` seconds, and a missing
-        key or child whose last event says handled (completed, marked, skipped), are losses of
+        log). A child (``--handoff``) is never published by the soak: once its parent has its
+        row it is taskonce's to deliver, the relay publishing the parent's sends if they are
+        still pending and its receipts publishing the child again if it never arrived. A child
+        still missing :attr:`child_grace` seconds after the drain first saw it missing (the
+        receipts' whole window and a relay period per look: :func:`tools.soak.children.grace`),
+        a child taskonce gave up on (``send_unconfirmed``) that never ran, and a missing key or
+        child whose last event says handled (completed, marked, skipped), are losses of
         taskonce's: the drain ends and the verdict says so.
 
         When the broker holds messages and nothing moves for :data:`STALL` seconds, they sit
@@ -742,30 +786,51 @@ class Soak:
         return False, f"not drained after {timeout}s"
 
     def _republish_lost(self, missing: list[tuple[str, str]]) -> str | None:
+        """Publish again the parents the broker lost; fail when taskonce lost a key or a child
+        (see :meth:`_drain`). None while the run may go on."""
         events = self._events()
         last = {str(event.get("message_id")): str(event["event"]) for event in events}
+        claimed = frozenset(
+            str(event.get("message_id"))
+            for event in events
+            if event["event"] in ("claimed", "lease_taken_over")
+        )
         message_ids = {item: self._message_id(*item) for item in missing}
-        split = lost_by_broker(missing, message_ids, last, self._dispatched(events))
+        split = lost_by_broker(missing, message_ids, last, self._dispatched(events), claimed)
         if split.failure is not None:
             return split.failure
+        given_up = {
+            str(event.get("message_id")) for event in events if event["event"] == "send_unconfirmed"
+        }
+        for key in split.waiting:
+            if message_ids[(key, "child")] in given_up:
+                return (
+                    f"{key}/child: taskonce re-sent it {self._resends(events, key)} time(s), "
+                    "then gave up on it (send_unconfirmed), and it never ran"
+                )
         now = time.monotonic()
-        self.undispatched_since = {
-            key: self.undispatched_since.get(key, now) for key in split.undispatched
+        self.child_missing_since = {
+            key: self.child_missing_since.get(key, now) for key in split.waiting
         }
         late = sorted(
             key
-            for key, since in self.undispatched_since.items()
-            if now - since >= UNDISPATCHED_GRACE
+            for key, since in self.child_missing_since.items()
+            if now - since >= self.child_grace
         )
         if late:
+            key = late[0]
+            why = (
+                "its parent's deferred sends were never dispatched"
+                if key in split.undispatched
+                else f"taskonce re-sent it {self._resends(events, key)} time(s)"
+            )
             return (
-                f"{late[0]}/child: its parent has its row but its deferred sends were never "
-                f"dispatched (still pending after {UNDISPATCHED_GRACE:.0f} s of an empty broker; "
-                f"{len(late)} such key(s))"
+                f"{key}/child: missing {self.child_grace:.0f} s after its parent had its row and "
+                f"the broker emptied; {why} ({len(late)} such key(s))"
             )
         for key, kind in split.republish:
             message_id = message_ids[(key, kind)]
-            (self.broker_lost if kind == "parent" else self.broker_lost_children).append(key)
+            (self.broker_lost if kind == "parent" else self.child_retries_lost).append(key)
             self.log_fault(
                 "republished_lost",
                 key=key,
@@ -775,6 +840,17 @@ class Soak:
             )
             self._publish(key, message_id, kind)
         return None
+
+    def _resends(self, events: list[dict[str, Any]], key: str) -> int:
+        """How many times taskonce published ``key``'s child again for want of a receipt."""
+        parent = self._store_key(self.sent[key])
+        return sum(
+            int(event.get("count") or 1)
+            for event in events
+            if event["event"] == "sends_redispatched"
+            and event.get("reason") == "unconfirmed"
+            and event.get("key") == parent
+        )
 
     def _store_key(self, message_id: str) -> str:
         """The guard's key of a message of this run (identity ``id+queue``, the queue being
@@ -839,8 +915,8 @@ class Soak:
             message_keys[str(message_id)] = (str(key), str(kind))
         for key, message_id in self.sent.items():
             message_keys[message_id] = (key, "parent")
-        # The drain publishes a lost child again under the id it derives: every child that ran
-        # must have run under that id, or the republished copy would be another message.
+        # The soak finds a child, and taskonce's re-sends of it, by the id it derives: every
+        # child that ran must have run under that id, or the accounting would miss it.
         unexpected_child_ids = sorted(
             f"{key}:{message_id}"
             for key, kind, _, message_id in runs
@@ -859,7 +935,15 @@ class Soak:
                 per_key[item][event["event"]] += 1
         transactional = self.config.transactional
         verdict = judge(self._expected(), counts, per_key, run_pids, self.victims, transactional)
-        held = drained and verdict.held and not unexpected_child_ids
+        children = account(
+            events,
+            {self._store_key(message_id): key for key, message_id in self.sent.items()},
+            {self._message_id(key, "child"): key for key in self.sent}
+            if self.options.handoff
+            else {},
+            counts,
+        )
+        held = drained and verdict.held and not unexpected_child_ids and not children.failure
         lost, doubled, unexplained = verdict.lost, verdict.doubled, verdict.unexplained
         event_counts = collections.Counter(event["event"] for event in events)
         report = {
@@ -887,10 +971,23 @@ class Soak:
             "unexplained_keys": unexplained[:100],
             "doubled_keys": dict(list(doubled.items())[:100]),
             "broker_lost": len(self.broker_lost),
-            "broker_lost_children": len(self.broker_lost_children),
-            "broker_lost_children_keys": self.broker_lost_children[:100],
+            **(
+                {
+                    "confirm_within": self.options.confirm_within,
+                    "relay_every": self.options.relay_every,
+                    "child_grace_s": round(self.child_grace, 1),
+                    **children.as_report(),
+                    "children_failure": children.failure,
+                    "child_retries_lost": len(self.child_retries_lost),
+                    "child_retries_lost_keys": self.child_retries_lost[:100],
+                }
+                if self.options.handoff
+                else {}
+            ),
             "unexpected_child_ids": unexpected_child_ids[:100],
             "drain_restarts": self.drain_restarts,
+            "rate": round(len(self.sent) / max(self.options.seconds, 1e-9), 2),
+            **self._throughput(),
             "broker_lost_keys": self.broker_lost[:100],
             "dead_lettered": self._dead_lettered(),
             "drained": drained,
@@ -911,108 +1008,25 @@ class Soak:
             return -1
 
 
-@dataclasses.dataclass
-class Verdict:
-    """The ledger's answer: keys without their row, keys with more than one, and which of
-    those no event or fault explains."""
-
-    lost: list[str]
-    doubled: dict[str, dict[str, Any]]
-    unexplained: list[str]
-    held: bool
-
-
-def judge(
-    expected: list[tuple[str, str]],
-    counts: dict[tuple[str, str], int],
-    events: dict[tuple[str, str], collections.Counter[str]],
-    run_pids: dict[tuple[str, str], set[int]],
-    victims: dict[int, str],
-    transactional: bool,
-) -> Verdict:
-    """Check the ledger key by key: ``counts`` of rows per (key, kind), the guard's ``events``
-    per (key, kind), the pids that ran each, and the pids a fault hit (``victims``).
-
-    Transactional: exactly one row per expected (key, kind). Otherwise: at least one, and a
-    second only where the key's events show the guard met a fault (a takeover, a refused
-    write, a release after a failure, a store error, a concurrent duplicate) or a fault hit
-    a process that ran it.
-    """
-    lost = [f"{key}/{kind}" for key, kind in expected if counts.get((key, kind), 0) == 0]
-    doubled: dict[str, dict[str, Any]] = {}
-    for (key, kind), n in sorted(counts.items()):
-        if n <= 1:
-            continue
-        seen = sorted(name for name in events.get((key, kind), {}) if name in EXPLAINING_EVENTS)
-        hit = sorted(
-            f"{victims[pid]}:{pid}" for pid in run_pids.get((key, kind), set()) if pid in victims
-        )
-        doubled[f"{key}/{kind}"] = {
-            "rows": n,
-            "events": dict(events.get((key, kind), {})),
-            "explained_by": seen + hit,
-        }
-    unexplained = [item for item, info in doubled.items() if not info["explained_by"]]
-    held = not lost and (not doubled if transactional else not unexplained)
-    return Verdict(lost, doubled, unexplained, held)
-
-
-@dataclasses.dataclass
-class LostSplit:
-    """What the drain does with the items still missing once the broker holds nothing."""
-
-    #: (key, kind) the broker or the framework lost: published again with the same id
-    republish: list[tuple[str, str]]
-    #: keys whose parent has its row but whose child the guard has not published yet
-    undispatched: list[str]
-    #: why the run fails at once (taskonce lost an item), or None
-    failure: str | None = None
-
-
-def lost_by_broker(
-    missing: list[tuple[str, str]],
-    message_ids: dict[tuple[str, str], str],
-    last: dict[str, str],
-    dispatched: set[str],
-) -> LostSplit:
-    """Sort the missing ``(key, kind)`` items, given each one's message id, the last guard
-    event of each message id, and the keys whose parent's deferred sends were published.
-
-    An item whose last event says handled (completed, marked, skipped) but that has no row was
-    lost by taskonce: a failure. A parent that was not: lost by the broker or the framework,
-    published again. A child whose parent is missing too waits for its parent. A child whose
-    parent has its row waits while its parent's sends are not dispatched (the relay publishes
-    them; the caller fails the run if that never happens); once they were, the broker lost
-    it: published again with the id the hand-off gave it (guarded, so a second copy is
-    harmless).
-    """
-    republish: list[tuple[str, str]] = []
-    undispatched: list[str] = []
-    for key, kind in missing:
-        if last.get(message_ids[(key, kind)]) in HANDLED_EVENTS:
-            failure = f"{key}/{kind} was recorded as handled but has no ledger row"
-            return LostSplit([], [], failure)
-        if kind == "parent":
-            republish.append((key, kind))
-        elif (key, "parent") in missing:
-            continue  # its parent runs first, then sends it
-        elif key in dispatched:
-            republish.append((key, kind))
-        else:
-            undispatched.append(key)
-    return LostSplit(republish, undispatched)
-
-
 def summary(report: dict[str, Any]) -> str:
     faults = ", ".join(f"{kind}={n}" for kind, n in report["faults"].items()) or "none"
+    retries = (
+        f" + {report.get('child_retries_lost', 0)} children whose retry was lost"
+        if report.get("handoff")
+        else ""
+    )
     children = (
-        f" + {report.get('broker_lost_children', 0)} children" if report.get("handoff") else ""
+        f" · children repaired by taskonce {report.get('children_repaired', 0)} (re-sends "
+        f"finding the child already run {report.get('resends_found_run', 0)}, send_unconfirmed "
+        f"{report.get('send_unconfirmed', 0)})"
+        if report.get("handoff")
+        else ""
     )
     return (
         f"{report['variant']}: {'HELD' if report['held'] else 'BROKEN'} · "
         f"{report['messages']} messages · {report['faults_total']} faults ({faults}) · "
         f"lost {report['lost']} · broker lost (published again) {report['broker_lost']}"
-        f"{children} · "
+        f"{retries}{children} · "
         f"doubled {report['doubled']} · explained {report['explained']}"
         f" · drain {report['drain_s']} s · {report['folder']}"
     )
@@ -1026,6 +1040,12 @@ def parse(argv: list[str] | None = None) -> Options:
     parser.add_argument("--handoff", action="store_true", help="each body sends a child task")
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--seconds", type=float, default=120.0, help="how long faults go on")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="messages a second (instead of --messages: rate x seconds messages)",
+    )
     parser.add_argument("--drain-timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "chaos")
     parser.add_argument(
@@ -1034,7 +1054,17 @@ def parse(argv: list[str] | None = None) -> Options:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--body", type=float, default=0.15, help="seconds each body sleeps")
     parser.add_argument("--keep", action="store_true", help="keep the PostgreSQL tables")
+    parser.add_argument(
+        "--confirm-within",
+        type=float,
+        default=10.0,
+        help="hand-off: seconds after a child's publish taskonce looks for its receipt",
+    )
     args = parser.parse_args(argv)
+    if args.rate is not None and args.rate <= 0:
+        parser.error("--rate must be positive")
+    if args.confirm_within <= 0:
+        parser.error("--confirm-within must be positive")
     faults = tuple(name for name in args.faults.split(",") if name)
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
@@ -1044,7 +1074,7 @@ def parse(argv: list[str] | None = None) -> Options:
         store=args.store,
         mode=args.mode,
         handoff=args.handoff,
-        messages=args.messages,
+        messages=round(args.rate * args.seconds) if args.rate else args.messages,
         seconds=args.seconds,
         drain_timeout=args.drain_timeout,
         # absolute: redis-server changes into its --dir before it opens its --logfile
@@ -1053,6 +1083,7 @@ def parse(argv: list[str] | None = None) -> Options:
         seed=args.seed,
         body=args.body,
         keep=args.keep,
+        confirm_within=args.confirm_within,
     )
 
 
