@@ -158,7 +158,12 @@ def count_run(table: str, task: Any, label: str) -> int:
 
 
 @app.task(
-    base=IdempotentTask, bind=True, acks_late=True, reject_on_worker_lost=True, name="t.record"
+    shared=False,
+    base=IdempotentTask,
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    name="t.record",
 )
 def record(self: Any, table: str, label: str, sleep: float = 0.0, hang_first: bool = False) -> str:
     runs = count_run(table, self, label)
@@ -170,6 +175,7 @@ def record(self: Any, table: str, label: str, sleep: float = 0.0, hang_first: bo
 
 
 @app.task(
+    shared=False,
     base=IdempotentTask,
     bind=True,
     acks_late=True,
@@ -185,7 +191,9 @@ def record_default_lease(self: Any, table: str, label: str, sleep: float = 0.0) 
     return label
 
 
-@app.task(base=IdempotentTask, bind=True, acks_late=True, max_retries=5, name="t.flaky")
+@app.task(
+    shared=False, base=IdempotentTask, bind=True, acks_late=True, max_retries=5, name="t.flaky"
+)
 def flaky(self: Any, table: str, label: str, fails: int) -> dict[str, Any]:
     count_run(table, self, label)
     if self.request.retries < fails:
@@ -194,6 +202,7 @@ def flaky(self: Any, table: str, label: str, fails: int) -> dict[str, Any]:
 
 
 @app.task(
+    shared=False,
     base=IdempotentTask,
     bind=True,
     acks_late=True,
@@ -208,20 +217,25 @@ def auto(self: Any, table: str, label: str, fails: int) -> dict[str, Any]:
     return {"label": label, "attempts": self.request.retries + 1}
 
 
-@app.task(base=IdempotentTask, bind=True, acks_late=True, name="t.chain_a")
+@app.task(shared=False, base=IdempotentTask, bind=True, acks_late=True, name="t.chain_a")
 def chain_a(self: Any, table: str, label: str) -> str:
     count_run(table, self, label)
     return f"{label}-a"
 
 
-@app.task(bind=True, acks_late=True, name="t.chain_b")
+@app.task(shared=False, bind=True, acks_late=True, name="t.chain_b")
 def chain_b(self: Any, value: str, table: str) -> str:
     count_run(table, self, value)
     return f"{value}-b"
 
 
 @app.task(
-    base=IdempotentTask, bind=True, acks_late=True, reject_on_worker_lost=True, name="t.effect"
+    shared=False,
+    base=IdempotentTask,
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    name="t.effect",
 )
 def effect(
     self: Any,
@@ -320,20 +334,25 @@ def _committed(effects: str, label: str) -> int:
 
 
 @app.task(
-    base=IdempotentTask, bind=True, acks_late=True, idempotency={"mode": "eager"}, name="t.override"
+    shared=False,
+    base=IdempotentTask,
+    bind=True,
+    acks_late=True,
+    idempotency={"mode": "eager"},
+    name="t.override",
 )
 def override(self: Any, table: str, label: str) -> str:
     count_run(table, self, label)
     return label
 
 
-@app.task(base=IdempotentTask, bind=True, name="t.noack")
+@app.task(shared=False, base=IdempotentTask, bind=True, name="t.noack")
 def noack(self: Any, table: str, label: str) -> str:
     count_run(table, self, label)
     return label
 
 
-@app.task(base=IdempotentTask, bind=True, acks_late=True, name="t.misconfigured")
+@app.task(shared=False, base=IdempotentTask, bind=True, acks_late=True, name="t.misconfigured")
 def misconfigured(self: Any, table: str, label: str) -> str:
     count_run(table, self, label)
     return label
@@ -342,6 +361,7 @@ def misconfigured(self: Any, table: str, label: str) -> str:
 if ENV.get("TO_BAD_TASK"):
 
     @app.task(
+        shared=False,
         base=IdempotentTask,
         bind=True,
         acks_late=True,
@@ -391,6 +411,7 @@ def _disarm(**_: Any) -> None:
 
 
 @app.task(
+    shared=False,
     base=IdempotentTask,
     bind=True,
     acks_late=True,
@@ -428,7 +449,14 @@ def sender(
     return label
 
 
-@app.task(base=IdempotentTask, bind=True, acks_late=True, reject_on_worker_lost=True, name="t.step")
+@app.task(
+    shared=False,
+    base=IdempotentTask,
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    name="t.step",
+)
 def step(self: Any, previous: Any, table: str, label: str, kill_at: int = 0) -> str:
     """A chain step (or chord body): counts its run, returns ``previous>label``; its first run
     dies at the ``kill_at``-th publish of its hand-off (the next chain step)."""
@@ -439,7 +467,12 @@ def step(self: Any, previous: Any, table: str, label: str, kill_at: int = 0) -> 
 
 
 @app.task(
-    base=IdempotentTask, bind=True, acks_late=True, reject_on_worker_lost=True, name="t.canvas"
+    shared=False,
+    base=IdempotentTask,
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    name="t.canvas",
 )
 def canvas(self: Any, table: str, label: str, kind: str, kill_at: int = 0) -> str:
     """Sends a group of three ``t.record`` (or a chord of them into ``t.step``)."""
@@ -455,7 +488,12 @@ def canvas(self: Any, table: str, label: str, kind: str, kill_at: int = 0) -> st
 
 
 @app.task(
-    base=IdempotentTask, bind=True, acks_late=True, reject_on_worker_lost=True, name="t.tx_sender"
+    shared=False,
+    base=IdempotentTask,
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    name="t.tx_sender",
 )
 def tx_sender(self: Any, table: str, effects: str, label: str, child: str) -> str:
     """Transactional: writes a row through the guard's transaction and sends a child; its first
@@ -474,6 +512,7 @@ def tx_sender(self: Any, table: str, effects: str, label: str, child: str) -> st
 
 
 @app.task(
+    shared=False,
     base=IdempotentTask,
     bind=True,
     acks_late=True,
@@ -494,7 +533,12 @@ def part(self: Any, table: str, label: str, kill_at: int = 0, fail_first: bool =
 
 
 @app.task(
-    base=IdempotentTask, bind=True, acks_late=True, reject_on_worker_lost=True, name="t.replacer"
+    shared=False,
+    base=IdempotentTask,
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    name="t.replacer",
 )
 def replacer(
     self: Any,
@@ -520,7 +564,7 @@ def replacer(
     return self.replace(sender.si(table, then, then_children))
 
 
-@app.task(base=IdempotentTask, bind=True, name="t.early_sender")
+@app.task(shared=False, base=IdempotentTask, bind=True, name="t.early_sender")
 def early_sender(self: Any, table: str, label: str, child: str) -> str:
     """Acknowledged before it runs (no acks_late); its first run dies in the hand-off."""
     runs = count_run(table, self, label)
@@ -560,7 +604,9 @@ send_to_1s = app.task(
 )(_send_to)
 
 
-@app.task(base=IdempotentTask, bind=True, acks_late=True, max_retries=2, name="t.retrying")
+@app.task(
+    shared=False, base=IdempotentTask, bind=True, acks_late=True, max_retries=2, name="t.retrying"
+)
 def retrying(self: Any, table: str, label: str) -> str:
     """Fails every run and retries 3 s later, twice: three runs, then it fails for good."""
     count_run(table, self, label)
