@@ -199,7 +199,7 @@ def awaiting(texts: Sequence[str], receipts: Sequence[Receipt | None]) -> Awaiti
         waiting.append((_next_wait(within, after, 0), Entry(text, receipt.key, after=after)))
     if not waiting:
         return None
-    return _awaiting([(remaining, entry) for remaining, entry in waiting], [])
+    return _awaiting(waiting, [])
 
 
 def _awaiting(waiting: Sequence[tuple[float, Entry]], given_up: Sequence[Entry]) -> Awaiting:
