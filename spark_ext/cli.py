@@ -184,7 +184,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="[STORE=]BYTES",
         help="bytes one key takes in your store (repeatable; default "
         + ", ".join(f"{name} {size}" for name, size in BYTES_PER_KEY.items())
-        + ", measured by bench/store_ops.py)",
+        + ", measured by the benchmarks: docs/performance.md)",
     )
     judge.add_argument(
         "--fail-on-leak",

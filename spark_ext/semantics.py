@@ -101,10 +101,12 @@ DEFAULT_SAFETY_FACTOR = 2.0
 DEFAULT_GRACE_S = 60.0
 #: The smallest window ever recommended.
 MIN_RECOMMENDED_S = 60
-#: Bytes one handled key takes in the store, as measured by bench/store_ops.py
-#: (docs/performance.md, "Store operations": a completed key with a 64-character fingerprint
-#: and no stored result). Store sizes in the report are keys × these.
-BYTES_PER_KEY = {"Redis": 232, "PostgreSQL": 292}
+#: Bytes one handled key takes in the store with the default key names, a fingerprint and no
+#: stored result (docs/performance.md): Redis, what the server's memory grew by per completed
+#: key (``used_memory``, its expiry's entry included; bench/redis_server_cost.py), PostgreSQL,
+#: the table and its indexes per row (bench/sql_rows.py). Store sizes in the report are
+#: keys × these.
+BYTES_PER_KEY = {"Redis": 206, "PostgreSQL": 381}
 
 
 def nice_window(seconds: float) -> int:
