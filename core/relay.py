@@ -13,7 +13,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
-from taskonce.errors import ConfigError
+from taskonce.errors import ConfigError, StoreUnavailable
 
 logger = logging.getLogger("taskonce")
 
@@ -77,5 +77,11 @@ def _loop(sweep: Sweep, every: float, older_than: float, stop: threading.Event) 
     while not stop.wait(every):
         try:
             sweep(older_than)
-        except Exception:  # a sweep that fails (store down) tries again next time
+        except StoreUnavailable as exc:  # an outage, not a fault: one line, no traceback
+            logger.warning(
+                "deferred-send relay sweep: the store is unavailable (%s); trying again in %ss",
+                exc,
+                every,
+            )
+        except Exception:  # a sweep that fails otherwise tries again next time, loudly
             logger.exception("deferred-send relay sweep failed; trying again in %ss", every)

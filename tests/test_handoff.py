@@ -228,6 +228,39 @@ def test_background_relay(store: Store) -> None:
     assert [s.body["args"] for s in broker.sent] == [[1]]
 
 
+@pytest.mark.parametrize(
+    ("error", "level", "text", "traceback"),
+    [
+        (taskonce.StoreUnavailable("connection terminated"), logging.WARNING, "unavailable", False),
+        (RuntimeError("a bug"), logging.ERROR, "sweep failed", True),
+    ],
+)
+def test_a_failing_relay_sweep_logs_and_goes_on(
+    caplog: pytest.LogCaptureFixture, error: Exception, level: int, text: str, traceback: bool
+) -> None:
+    """A store that is down is an outage: one warning line per sweep, no traceback (a
+    PostgreSQL restart printed one per sweep); anything else is logged with its traceback.
+    Either way the thread sweeps again."""
+    from taskonce.relay import RelayThread
+
+    sweeps: list[float] = []
+
+    def sweep(older_than: float) -> int:
+        sweeps.append(older_than)
+        raise error
+
+    relay = RelayThread()
+    with caplog.at_level(logging.WARNING, logger="taskonce"):
+        relay.start(sweep, every=0.01, older_than=5)
+        try:
+            wait_for(lambda: len(sweeps) >= 2, timeout=10, what="two sweeps")
+        finally:
+            relay.stop(timeout=5)
+    records = [r for r in caplog.records if "relay sweep" in r.getMessage()]
+    assert records and all(r.levelno == level and text in r.getMessage() for r in records)
+    assert all((r.exc_info is not None) is traceback for r in records)
+
+
 def test_purge_keeps_records_with_pending_sends(caplog: pytest.LogCaptureFixture) -> None:
     clock = [1000.0]
     store = taskonce.MemoryStore(clock=lambda: clock[0])
