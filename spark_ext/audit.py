@@ -1,14 +1,13 @@
 """The audit pipeline: classify every event of every key, aggregate per queue / per task /
 overall, and recommend a retention window.
 
-All work over events is Spark DataFrame operations with built-in functions only (one read,
-kept; each key's shape from an aggregation of numbers; the events of the few keys that are not
-plain grouped by key, each such key's row classified by its own aggregates and, for its claims,
-higher-order functions over its events, the others classified row by row; then aggregations
-per queue and task pair, or with grouping sets), in the passes of :class:`AuditRun`; the driver
-only ever collects aggregates whose size does not grow with the log (one row per queue, task,
-queue and task pair, bucket or window), plus at most ``sample_rows`` example rows of leaks and
-stuck claims for the human-readable report.
+All work over events is Spark DataFrame operations with built-in functions only (one grouping
+of the events by key, each key's row classified by its own aggregates and, for its claims,
+higher-order functions over its events; then aggregations per queue and task pair, or with
+grouping sets), in the passes of :class:`AuditRun`; the driver only ever collects aggregates
+whose size does not grow with the log (one row per queue, task, queue and task pair, bucket or
+window), plus at most ``sample_rows`` example rows of leaks and stuck claims for the
+human-readable report.
 
 Each pass has its module: ``classification`` (read, group by key, classify), ``per_key`` (stuck
 claims), ``scopes`` (counts per scope), ``gaps`` (percentiles, histogram, leaked keys),
@@ -33,18 +32,12 @@ from taskonce.spark_ext.classification import (
     EVENT_FIELDS,
     FRAMEWORK_FLAGS,
     MAX_SHUFFLE_PARTITIONS,
-    SCOPE_COLUMNS,
     SHUFFLE_BYTES,
     classified_events,
     classify,
     group_by_key,
-    grouped_rows,
-    key_shapes,
     log_bounds,
-    plain_events,
-    prepared,
     shuffle_partitions,
-    split_by_shape,
 )
 from taskonce.spark_ext.common import (
     APPROX_ACCURACY,
@@ -102,10 +95,6 @@ __all__ = [
 logger = logging.getLogger("taskonce.spark_ext")
 
 ProgressFn = Callable[[int, int, str], None]
-
-#: Up to this many keys that are not plain, their set is broadcast to the joins that split the
-#: events (a hash set in each task); above, the joins shuffle.
-BROADCAST_KEYS = 2_000_000
 
 #: The progress steps: one per pass of :class:`AuditRun`, then "writing the outputs".
 _STEPS = (
@@ -171,9 +160,9 @@ class AuditResult:
 
 
 class AuditRun:
-    """One audit, pass by pass: :meth:`classify` (read the events, kept in memory or on local
-    disk; group the events of the keys that are not plain by key, one row per such key kept
-    for the passes after it), :meth:`per_key` (stuck claims), :meth:`per_scope` (the event
+    """One audit, pass by pass: :meth:`classify` (read the events and group them by key, one
+    row per key kept in memory or on local disk for the passes after it; each pass reads the
+    classified events from it), :meth:`per_key` (stuck claims), :meth:`per_scope` (the event
     counts, distinct and leaked keys of each queue, task and overall, and the timeline's
     counts in the same aggregation), :meth:`gaps` (redelivery gap percentiles and histogram,
     the leaked keys), :meth:`what_if` (the simulated windows and the timeline) and
@@ -272,16 +261,11 @@ class AuditRun:
         return raw.select(*AUDIT_COLUMNS)
 
     def classify(self) -> DataFrame:
-        """Read the events once, kept row by row (:func:`prepared`) for this pass and the
-        per-scope one; tell each key's shape (:func:`key_shapes`: one aggregation of numbers,
-        combined on the map side as the floor's grouping is) and find the log's bounds; group
-        by key only the events of the keys that are not plain (the one shuffle of whole
-        events, over a few percent of them: :func:`grouped_rows`), kept for the later passes.
-        The per-event view the per-scope pass counts is the rare keys' events classified from
-        their rows (:func:`~taskonce.spark_ext.classification.classified_events`) beside the
-        other rows classified one by one (:func:`plain_events`)."""
-        from pyspark.sql import functions as F
-
+        """Read the events and group them by key (:func:`group_by_key`, the one shuffle over
+        all events), kept for the later passes; one action builds the kept frame and finds the
+        log's end (its last valid event). The per-event view the later passes aggregate
+        (:func:`~taskonce.spark_ext.classification.classified_events`) is computed from the
+        kept rows when each pass reads it."""
         raw = self.read()
         self._previous_partitions = self.spark.conf.get("spark.sql.shuffle.partitions")
         partitions = self.shuffle_partitions or shuffle_partitions(
@@ -290,17 +274,9 @@ class AuditRun:
         self.spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
         self._partitions_set = True
         logger.info("audit: %d shuffle partitions", partitions)
-        events = self._keep(prepared(raw))
-        shapes = self._keep(key_shapes(events, self.grace_s))
-        rare_keys = shapes.filter(~F.col("plain")).select("key")
-        if rare_keys.count() <= BROADCAST_KEYS:
-            rare_keys = F.broadcast(rare_keys)
-        self.log_end_ms, self.frameworks, self.span_s = log_bounds(events)
-        to_group, plain = split_by_shape(events, rare_keys)
-        self.grouped = self._keep(grouped_rows(to_group))
-        self.grouped.count()
-        rare_events = classified_events(self.grouped, self.keep_for_s)
-        self.classified = rare_events.select(*SCOPE_COLUMNS).unionByName(plain_events(plain))
+        self.grouped = self._keep(group_by_key(raw))
+        self.log_end_ms, self.frameworks, self.span_s = log_bounds(self.grouped)
+        self.classified = classified_events(self.grouped, self.keep_for_s)
         return self.classified
 
     def per_key(self) -> None:

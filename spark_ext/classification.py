@@ -1,7 +1,5 @@
-"""The classify pass: read the events (:func:`prepared`), tell the plain keys from the others
-(:func:`key_shapes`), group the others' events by key (:func:`grouped_rows`) and classify each
-of their events from its key's row (:func:`classified_events`); the plain keys' events are
-classified row by row (:func:`plain_events`).
+"""The classify pass: read the events, group them by key (the one shuffle over all events) and
+classify each event of each key from its key's row.
 
 :func:`classify` is the per-event definition (one window over each key's timeline) that the
 audit's own classification (:func:`group_by_key`, then :func:`classified_events`) gives the same
@@ -193,12 +191,9 @@ EVENT_FIELDS = (
 )
 
 
-def prepared(events: DataFrame) -> DataFrame:
-    """The events as every pass after the read uses them, row by row, before any shuffle:
-    malformed rows lose their event name (``_valid`` false) and their key (they take part in
-    no key's timeline), ``queue_name``/``task_name`` (:data:`NONE_NAME` where absent or
-    malformed), ``message_id`` only on rows without a key (a keyed row's lives in its key),
-    ``_framework`` as :data:`FRAMEWORK_FLAGS` bits, and the other :data:`EVENT_FIELDS`."""
+def _named(events: DataFrame) -> DataFrame:
+    """Null the event name of malformed rows and add ``queue_name``/``task_name``: row by row,
+    before any shuffle."""
     from pyspark.sql import functions as F
 
     valid = (
@@ -206,59 +201,59 @@ def prepared(events: DataFrame) -> DataFrame:
         & F.col("t_ms").isNotNull()
         & F.col(CORRUPT_COLUMN).isNull()
     )
-    keyed = valid & F.col("key").isNotNull()
     name_of = {
         name: F.when(valid, F.coalesce(F.nullif(F.col(name), F.lit("")), F.lit(NONE_NAME)))
         .otherwise(F.lit(NONE_NAME))
         .alias(f"{name}_name")
         for name in ("queue", "task")
     }
+    return events.select(
+        "*",
+        valid.alias("_valid"),
+        name_of["queue"],
+        name_of["task"],
+    ).withColumn("event", F.when(F.col("_valid"), F.col("event")))
+
+
+def _gathered(events: DataFrame) -> DataFrame:
+    """:func:`group_by_key`'s shuffle: each key's valid events gathered into one sorted array,
+    beside the row's last valid time, first and last delivery time and framework flags."""
+    from pyspark.sql import functions as F
+
+    named = _named(events)
+    keyed = F.col("_valid") & F.col("key").isNotNull()
+    fields = [
+        (
+            F.when(~keyed, F.col("message_id")).alias("message_id")
+            if name == "message_id"
+            else F.col(name)
+        )
+        for name in EVENT_FIELDS
+    ]
+    # The row's last valid event and its first and last delivery, as numbers beside the
+    # array: the audit's span and log end then read three numeric columns of the kept rows,
+    # not every row's array of events.
+    delivery_t = F.when(in_names("event", DELIVERY_EVENTS), F.col("t_ms"))
     framework_flag: Column = F.lit(0)
     if "framework" in events.columns:
         for name, bit in FRAMEWORK_FLAGS.items():
             framework_flag = F.when(F.col("framework") == name, F.lit(bit)).otherwise(
                 framework_flag
             )
-    rest = [name for name in EVENT_FIELDS if name not in ("event", "queue_name", "task_name")]
-    return events.select(
-        F.when(keyed, F.col("key")).alias("key"),
-        valid.alias("_valid"),
-        F.when(valid, F.col("event")).alias("event"),
-        name_of["queue"],
-        name_of["task"],
-        *[
-            F.when(~keyed, F.col("message_id")).alias("message_id")
-            if name == "message_id"
-            else F.col(name)
-            for name in rest
-        ],
-        F.when(valid, framework_flag).otherwise(F.lit(0)).cast("byte").alias("_framework"),
-    )
-
-
-def _gathered(events: DataFrame) -> DataFrame:
-    """:func:`grouped_rows`' shuffle: each key's events (of :func:`prepared`) gathered into one
-    sorted array, beside the row's last valid time, first and last delivery time and framework
-    flags."""
-    from pyspark.sql import functions as F
-
-    # The row's last valid event and its first and last delivery, as numbers beside the
-    # array: the audit's span and log end then read three numeric columns of the kept rows,
-    # not every row's array of events.
-    delivery_t = F.when(in_names("event", DELIVERY_EVENTS), F.col("t_ms"))
+    framework_flag = F.when(F.col("_valid"), framework_flag).otherwise(F.lit(0)).cast("byte")
     # Shuffled by the grouping columns first, so that the grouping finds each key's events in
     # one partition and aggregates them there once: grouped straight away, Spark would first
     # gather a partial list per key on the map side of the shuffle (sorting all events by key
     # to do it, since nearly every key is new), which only costs when a key's events are far
     # apart in the log. The same partitioning as the grouping's own shuffle.
     return (
-        events.select(
-            "key",
-            F.when(F.col("key").isNull(), F.col("seq")).alias("_row"),
-            F.struct(*[F.col(name) for name in EVENT_FIELDS]).alias("_event"),
+        named.select(
+            F.when(keyed, F.col("key")).alias("key"),
+            F.when(~keyed, F.col("seq")).alias("_row"),
+            F.struct(*fields).alias("_event"),
             F.when(F.col("_valid"), F.col("t_ms")).alias("_valid_t"),
             delivery_t.alias("_delivery_t"),
-            "_framework",
+            framework_flag.alias("_framework"),
         )
         .repartition("key", "_row")
         .groupBy("key", "_row")
@@ -283,15 +278,9 @@ def group_by_key(events: DataFrame) -> DataFrame:
     ``frameworks`` (the :data:`FRAMEWORK_FLAGS` of its valid events' ``framework``, ORed).
 
     Malformed rows and rows without a key are rows of their own (``key`` null, one event): they
-    count in the totals and take no part in any key's timeline. One shuffle over all events;
-    the audit itself groups only its rare keys' events (:func:`grouped_rows` of
-    :func:`prepared` rows, see :func:`key_shapes`).
+    count in the totals and take no part in any key's timeline. One shuffle, the only one over
+    all events.
     """
-    return grouped_rows(prepared(events))
-
-
-def grouped_rows(events: DataFrame) -> DataFrame:
-    """:func:`group_by_key` of rows already :func:`prepared`."""
     from pyspark.sql import functions as F
 
     grouped = _gathered(events)
@@ -324,118 +313,6 @@ def grouped_rows(events: DataFrame) -> DataFrame:
         "*",
         (keyed_row & delivered).alias("delivered"),
         (keyed_row & leaked).alias("leaked"),
-    )
-
-
-def key_shapes(events: DataFrame, grace_s: float) -> DataFrame:
-    """Each key of the :func:`prepared` events, and whether it is *plain*: its valid events are
-    a claim and then its completion, with no room for a stuck claim (ended within the least
-    lease of the key plus ``grace_s``: see :func:`~taskonce.spark_ext.per_key.may_be_stuck`),
-    or one mark. A plain key has no duplicate, no leak, no stuck claim and no notable event, so
-    its events are classified row by row (:func:`plain_events`); only the other keys' events
-    are gathered by key (:func:`grouped_rows`). One aggregation of numbers, combined on the
-    map side of its shuffle as the floor's grouping is."""
-    from pyspark.sql import functions as F
-
-    def at(name: str, column: str) -> Column:
-        return F.min(F.when(F.col("event") == name, F.col(column)))
-
-    claimed, completed, marked = (
-        Event.CLAIMED.value,
-        Event.COMPLETED.value,
-        Event.MARKED.value,
-    )
-    shapes = (
-        events.filter(F.col("key").isNotNull())
-        .groupBy("key")
-        .agg(
-            F.count(F.lit(1)).alias("_n"),
-            F.sum(flag(F.col("event") == claimed)).alias("_claims"),
-            F.sum(flag(F.col("event") == completed)).alias("_completions"),
-            F.sum(flag(F.col("event") == marked)).alias("_marks"),
-            at(claimed, "t_ms").alias("_claim_t"),
-            at(claimed, "seq").alias("_claim_seq"),
-            at(completed, "t_ms").alias("_done_t"),
-            at(completed, "seq").alias("_done_seq"),
-            F.min("t_ms").alias("_first_t"),
-            F.max("t_ms").alias("_last_t"),
-            F.min("lease_s").alias("_least_lease"),
-        )
-    )
-    claim_first = (F.col("_claim_t") < F.col("_done_t")) | (
-        (F.col("_claim_t") == F.col("_done_t")) & (F.col("_claim_seq") < F.col("_done_seq"))
-    )
-    # the same test as may_be_stuck's, on the key's first and last time and least lease
-    long_enough = (F.col("_last_t") - F.col("_first_t") + 1000) > (
-        (F.col("_least_lease") + F.lit(float(grace_s))) * 1000.0
-    )
-    claim_then_completion = (
-        (F.col("_n") == 2)
-        & (F.col("_claims") == 1)
-        & (F.col("_completions") == 1)
-        & claim_first
-        & ~(F.col("_least_lease").isNotNull() & long_enough)
-    )
-    one_mark = (F.col("_n") == 1) & (F.col("_marks") == 1)
-    return shapes.select("key", (claim_then_completion | one_mark).alias("plain"))
-
-
-def split_by_shape(events: DataFrame, rare_keys: DataFrame) -> tuple[DataFrame, DataFrame]:
-    """The :func:`prepared` events in two: those to group by key (:func:`grouped_rows`): the
-    events of ``rare_keys`` (the keys that are not plain) and the rows without a key (each
-    its own row, as a producer's hand-off events or a malformed line); and those of plain
-    keys, to classify row by row (:func:`plain_events`)."""
-    from pyspark.sql import functions as F
-
-    keyed = events.filter(F.col("key").isNotNull())
-    grouped = events.filter(F.col("key").isNull()).unionByName(
-        keyed.join(rare_keys, "key", "left_semi")
-    )
-    return grouped, keyed.join(rare_keys, "key", "left_anti")
-
-
-#: The columns of the classified events that the per-scope pass counts.
-SCOPE_COLUMNS = (
-    "queue_name",
-    "task_name",
-    "t_ms",
-    "event",
-    "keep_for_s",
-    "is_valid",
-    "is_delivery",
-    "is_run",
-    "is_failure",
-    "dup_kind",
-    "gap_ms",
-    "leaked_run",
-    "near_miss",
-    "key_delivered",
-    "key_leaked",
-)
-
-
-def plain_events(events: DataFrame) -> DataFrame:
-    """The :data:`SCOPE_COLUMNS` of :func:`prepared` events of plain keys (:func:`key_shapes`),
-    row by row, as :func:`classified_events` classifies them: no duplicate, gap, leak or near
-    miss; a plain key is counted once, on its claim or mark (its first event)."""
-    from pyspark.sql import functions as F
-
-    return events.select(
-        "queue_name",
-        "task_name",
-        "t_ms",
-        "event",
-        "keep_for_s",
-        flag(F.col("event").isNotNull()).alias("is_valid"),
-        flag(in_names("event", DELIVERY_EVENTS)).alias("is_delivery"),
-        flag(in_names("event", RUN_EVENTS)).alias("is_run"),
-        flag(in_names("event", FAILURE_EVENTS)).alias("is_failure"),
-        F.lit(None).cast("string").alias("dup_kind"),
-        F.lit(None).cast("long").alias("gap_ms"),
-        F.lit(0).alias("leaked_run"),
-        F.lit(0).alias("near_miss"),
-        flag(in_names("event", (Event.CLAIMED.value, Event.MARKED.value))).alias("key_delivered"),
-        F.lit(0).alias("key_leaked"),
     )
 
 
@@ -520,19 +397,18 @@ def shuffle_partitions(spark: SparkSession, raw: DataFrame, has_jdbc: bool) -> i
     return max(parallelism, min(wanted, MAX_SHUFFLE_PARTITIONS))
 
 
-def log_bounds(events: DataFrame) -> tuple[int | None, list[str], float]:
-    """One action over the :func:`prepared` events: the log's end (its last valid event), the
-    frameworks its events name (of :data:`FRAMEWORK_FLAGS`) and the span from its first to its
-    last delivery in seconds (which sets the timeline's buckets, counted in the per-scope
-    pass's aggregation)."""
+def log_bounds(grouped: DataFrame) -> tuple[int | None, list[str], float]:
+    """One action over the kept key rows (of :func:`group_by_key`): the log's end (its last
+    valid event), the frameworks its events name (of :data:`FRAMEWORK_FLAGS`) and the span
+    from its first to its last delivery in seconds (which sets the timeline's buckets, counted
+    in the per-scope pass's aggregation)."""
     from pyspark.sql import functions as F
 
-    delivery_t = F.when(in_names("event", DELIVERY_EVENTS), F.col("t_ms"))
-    row = events.agg(
-        F.max(F.when(F.col("_valid"), F.col("t_ms"))).alias("last_ms"),
-        F.min(delivery_t).alias("first_delivery_ms"),
-        F.max(delivery_t).alias("last_delivery_ms"),
-        F.bit_or("_framework").alias("frameworks"),
+    row = grouped.agg(
+        F.max("last_valid_ms").alias("last_ms"),
+        F.min("first_delivery_ms").alias("first_delivery_ms"),
+        F.max("last_delivery_ms").alias("last_delivery_ms"),
+        F.bit_or("frameworks").alias("frameworks"),
     ).first()
     log_end_ms = None if row is None else row["last_ms"]
     flags = int((row["frameworks"] if row is not None else None) or 0)

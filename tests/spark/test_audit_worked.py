@@ -70,7 +70,7 @@ def test_per_task(run: tuple[AuditResult, Path]) -> None:
 def test_what_if(run: tuple[AuditResult, Path]) -> None:
     result = run[0]
     assert result.report["what_if"] == worked.EXPECTED_WHAT_IF
-    assert result.what_if[2]["store_bytes"] == {"Redis": 11 * 206, "PostgreSQL": 11 * 381}
+    assert result.what_if[2]["store_bytes"] == {"Redis": 11 * 232, "PostgreSQL": 11 * 292}
 
 
 def test_details_buckets_rates_keep_for(run: tuple[AuditResult, Path]) -> None:
@@ -338,106 +338,3 @@ def test_samples_break_ties_by_key(spark: Any, tmp_path: Path) -> None:
     assert result.report["overall"]["stuck_claims"] == 3
     assert [row["key"] for row in result.leaks_sample] == ["tie:a", "tie:b"]
     assert [row["key"] for row in result.stuck_sample] == ["tie:a", "tie:b"]
-
-
-def _edge_events() -> list[dict[str, Any]]:
-    """Keys at the edges of plain (:func:`~taskonce.spark_ext.classification.key_shapes`)."""
-    e = worked.event
-    return [
-        # plain: a claim and its completion within lease + grace - 1 s (60 + 60 - 1)
-        e(0, "claimed", "edge:plain", "edge"),
-        e(119, "completed", "edge:plain", "edge"),
-        # not plain: the completion one second later may end a stuck claim
-        e(0, "claimed", "edge:long", "edge"),
-        e(120.5, "completed", "edge:long", "edge"),
-        # a claim without a lease: plain however long it ran
-        e(0, "claimed", "edge:nolease", "edge", lease_s=float("nan")),
-        e(5000, "completed", "edge:nolease", "edge", lease_s=float("nan")),
-        # the completion before the claim (a clock step): a run after done, a leak
-        e(10, "completed", "edge:backwards", "edge"),
-        e(11, "claimed", "edge:backwards", "edge"),
-        # the same millisecond: the source order decides (claim first, plain)
-        e(20, "claimed", "edge:samems", "edge"),
-        e(20, "completed", "edge:samems", "edge"),
-        # ... and completion first: a leak
-        e(21, "completed", "edge:samems2", "edge"),
-        e(21, "claimed", "edge:samems2", "edge"),
-        # one mark: plain; two marks: the second a rerun
-        e(30, "marked", "edge:mark", "edge", mode="lazy"),
-        e(31, "marked", "edge:twomarks", "edge", mode="lazy"),
-        e(90, "marked", "edge:twomarks", "edge", mode="lazy"),
-        # a claim never ended: stuck at the log's end
-        e(40, "claimed", "edge:open", "edge"),
-        # a claim and a completion of another queue and task: plain, counted under each
-        e(50, "claimed", "edge:moved", "edge", "t.a"),
-        e(51, "completed", "edge:moved", "other", "t.b"),
-        # a failure and its retry; a duplicate skipped
-        e(60, "claimed", "edge:retry", "edge"),
-        e(61, "released", "edge:retry", "edge"),
-        e(70, "claimed", "edge:retry", "edge"),
-        e(71, "completed", "edge:retry", "edge"),
-        e(80, "duplicate_skipped", "edge:retry", "edge"),
-        # rows without a key, and a malformed row with a key
-        e(100, "store_error", None, "edge"),
-        e(101, "claimed", None, None),
-        e(102, "no_such_event", "edge:mark", "edge"),
-        e(9000, "completed", "edge:late", "edge"),
-    ]
-
-
-def test_plain_keys_are_counted_as_their_grouped_rows_would_be(spark: Any, tmp_path: Path) -> None:
-    """The audit groups by key only the events of keys that are not plain and classifies the
-    others row by row: on the worked example and keys at the edges of plain, every scope
-    figure's column is the same multiset as when every key is grouped, and no plain key holds
-    anything the later passes look for (a stuck claim, a notable event)."""
-    from pyspark.sql import functions as F
-
-    from taskonce.spark_ext.classification import (
-        SCOPE_COLUMNS,
-        classified_events,
-        group_by_key,
-        grouped_rows,
-        key_shapes,
-        plain_events,
-        prepared,
-        split_by_shape,
-    )
-    from taskonce.spark_ext.inputs import read_events
-    from taskonce.spark_ext.per_key import rare_rows
-
-    log = worked.write_jsonl(tmp_path / "e.jsonl", [*worked.worked_events(), *_edge_events()])
-    raw = read_events(spark, [str(log)])
-    events = prepared(raw)
-    shapes = key_shapes(events, 60.0)
-    plain_keys = {row["key"] for row in shapes.filter("plain").collect()}
-    assert {"edge:plain", "edge:nolease", "edge:samems", "edge:mark", "edge:moved"} <= plain_keys
-    assert not plain_keys & {
-        "edge:long",
-        "edge:backwards",
-        "edge:samems2",
-        "edge:twomarks",
-        "edge:open",
-        "edge:retry",
-        "edge:late",
-    }
-    rare_keys = shapes.filter(~F.col("plain")).select("key")
-
-    def rows(frame: Any, columns: tuple[str, ...] = SCOPE_COLUMNS) -> list[tuple[Any, ...]]:
-        return sorted((tuple(row) for row in frame.select(*columns).collect()), key=repr)
-
-    everything = classified_events(group_by_key(raw), 3600.0)
-    to_group, plain = split_by_shape(events, rare_keys)
-    split = (
-        classified_events(grouped_rows(to_group), 3600.0)
-        .select(*SCOPE_COLUMNS)
-        .unionByName(plain_events(plain))
-    )
-    assert rows(split) == rows(everything)
-    assert len(rows(everything)) == worked.EXPECTED_EVENTS + len(_edge_events()) + 2
-    # the later passes find nothing in a plain key's grouped row, and everything in the rows
-    # grouped by the split
-    held = rare_rows(group_by_key(raw), 60.0)
-    assert not {row["key"] for row in held.collect()} & plain_keys
-    assert rows(held, ("key", "events")) == rows(
-        rare_rows(grouped_rows(to_group), 60.0), ("key", "events")
-    )
