@@ -276,7 +276,7 @@ def generate(events: int, workdir: Path) -> tuple[Path, dict[str, Any], float | 
 
 
 PASS_NAMES = {
-    "classify": "classify (read and keep, key shapes, group the keys that are not plain)",
+    "classify": "classify (read, group by key, keep)",
     "per_key": "per key (keep the rare key rows, stuck claims)",
     "per_scope": "per scope (event counts, keys, leaked keys)",
     "gaps": "gaps (percentiles, histogram, leaks table)",

@@ -70,7 +70,7 @@ def test_per_task(run: tuple[AuditResult, Path]) -> None:
 def test_what_if(run: tuple[AuditResult, Path]) -> None:
     result = run[0]
     assert result.report["what_if"] == worked.EXPECTED_WHAT_IF
-    assert result.what_if[2]["store_bytes"] == {"Redis": 11 * 232, "PostgreSQL": 11 * 292}
+    assert result.what_if[2]["store_bytes"] == {"Redis": 11 * 206, "PostgreSQL": 11 * 381}
 
 
 def test_details_buckets_rates_keep_for(run: tuple[AuditResult, Path]) -> None:
