@@ -11,7 +11,7 @@ scenario (the receiver that stays down: 15 s). The workers' relays sweep every
 ``RELAY_EVERY`` s; their guards' default ``confirm_within`` is ``WITHIN`` s, the fast
 sender's (``*_1s``) ``FAST_WITHIN`` s. The outbox send (PostgreSQL store only) is made inside
 ``send_on_commit`` by a producer that is not a worker. A child that fails and awaits its
-retry has no record of its key meanwhile; the guard's ``<key>~received`` mark of the failed
+retry has no record of its key meanwhile; the guard's ``<key>\\x1freceived`` mark of the failed
 run is its receipt.
 
 A framework's module says how its workers start, how a child is published and lost, and where
@@ -330,7 +330,7 @@ def check_prometheus_counts_unconfirmed(
 def check_retrying_runs_only_its_own_tries(world: World, sent: Sent) -> None:
     """The child fails every run and is retried at most twice, its retries further apart
     than its sender's confirm_within: three runs in all, none sent again, none reported as
-    never received. The guard's ``<key>~received`` mark of its failed run is its receipt; its
+    never received. The guard's ``<key>\\x1freceived`` mark of its failed run is its receipt; its
     key's own record is released."""
     wait_for(
         lambda: not world.awaiting(sent.sender_key),

@@ -290,7 +290,7 @@ def test_a_child_that_fails_and_retries_runs_only_its_own_tries(world: World) ->
     """The child fails every run and retries 3 s later, at most twice (``t.retrying``): three
     runs in all. Its sender awaits it with confirm_within 1 s, shorter than the retry's
     countdown. Between its runs the child has no record of its key (the claim is released for
-    the retry), but its failed run marked ``<key>~received``: that is its receipt, so it is not
+    the retry), but its failed run marked ``<key>\\x1freceived``: that is its receipt, so it is not
     sent again (each copy would start a retry chain of its own: 12 runs before the guard made
     that mark) nor reported as never received."""
     check_retrying_runs_only_its_own_tries(world, world.sent["retrying"])

@@ -251,7 +251,7 @@ def test_a_child_that_fails_and_retries_runs_only_its_own_tries(world: World) ->
     than the retry's backoff (Dramatiq's default backoff, 15 s x 2^n and up to twice that, can
     pass the default confirm_within of 300 s from the fifth of its 20 retries on). Between its
     runs the child has no record of its key (the claim is released for the retry), but its
-    failed run marked ``<key>~received``: that is its receipt, so it is not sent again (each
+    failed run marked ``<key>\\x1freceived``: that is its receipt, so it is not sent again (each
     copy would start a retry chain of its own: 12 runs before the guard made that mark) nor
     reported as never received."""
     check_retrying_runs_only_its_own_tries(world, world.sent["retrying"])
