@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -9,6 +10,14 @@ import pytest
 
 from taskonce.stores import Store
 from tests.helpers import STORE_KINDS, drop_store, make_store
+
+# Every JVM the tests start inherits this: the Spark sessions of the test processes, the
+# `taskonce audit` subprocesses, a docs snippet's session, the standalone cluster's master,
+# workers and executors. They live seconds to minutes on logs of a few dozen events, where the
+# C2 compiler's threads burn more CPU than its code gives back: on the 2-CPU CI machine a fresh
+# JVM's audit of the worked log takes about half the time with C1 alone. The JIT tier changes
+# no result. A JAVA_TOOL_OPTIONS of your own is kept.
+os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1")
 
 
 @pytest.fixture(params=STORE_KINDS)
