@@ -53,28 +53,27 @@ def no_capture_left_over() -> Iterator[None]:
 # -- the order and grouping of the test files across pytest-xdist processes ---------------------
 
 #: The longest work units of the suite, longest first (a full run at -n 3 on the 2-CPU CI
-#: machine, the sum of each file's setup, call and teardown times, in seconds, in brackets).
+#: machine: the sum of each unit's setup, call and teardown times, in seconds, in brackets).
 #: ``make test`` runs them first, so the short files fill in at the end and the processes
 #: finish together, instead of one process starting a long file when the others are done.
 #: The rest follow in collection order. Re-measure with ``--durations=0`` when a file grows.
 LONGEST_FIRST = (
-    "tests/spark",  # (about 300 s) one unit: see _work_unit
+    "tests/spark",  # (301) one unit: see _work_unit
+    "tests/test_handoff_crash_points.py",  # (179)
+    "tests/test_store_receipts.py",  # (145)
     "tests/test_guard_states.py",  # (92-170: how many lease expiries hypothesis waits for)
-    "tests/test_handoff_crash_points.py",  # (167)
-    "tests/test_store_receipts.py",  # (125)
-    "tests/celery/test_recovery.py",  # (79)
-    "tests/celery/test_handoff.py",  # (69)
-    "tests/test_store_properties.py",  # (63)
+    "tests/celery/test_recovery.py",  # (86)
+    "tests/celery/test_handoff.py",  # (74)
+    "tests/test_store_properties.py",  # (60)
     "tests/test_store_receipts_sql.py",  # (59)
-    "tests/celery/test_receipts_workers.py",  # (54)
-    "tests/test_docs.py",  # (53)
+    "tests/celery/test_receipts_workers.py",  # (56)
     "tests/dramatiq/test_receipts_workers.py",  # (50)
-    "tests/test_chaos.py",  # (48)
-    "tests/test_store_contract.py",  # (43)
-    "tests/dramatiq/test_recovery.py",  # (42)
-    "tests/django/test_views.py",  # (142, of which 120 s the waits of failures fixed since)
-    "tests/test_race.py",  # (41)
-    "tests/dramatiq/test_handoff.py",  # (41)
+    "tests/test_docs.py",  # (47)
+    "tests/dramatiq/test_handoff.py",  # (44)
+    "tests/test_chaos.py",  # (44)
+    "tests/test_race.py",  # (42)
+    "tests/dramatiq/test_recovery.py",  # (41)
+    "tests/test_store_contract.py",  # (32)
 )
 
 
@@ -94,6 +93,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(_work_unit(item.nodeid), len(rank)))
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: unknown without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadfile`` with the Spark files as one unit, units handed out in collection
     order (the order above) rather than xdist's default of the most tests first."""
