@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -199,14 +200,18 @@ def test_relay_publishes_through_the_projects_celery_app(store: Any) -> None:
     stranding.close()
     assert store.get("orders:m-stranded").sends_pending
 
+    # kombu's memory:// transport keeps its queues per process, for every app: a queue of this
+    # test's own, so a message another file's test left in "celery" is not the one read back.
+    queue = f"djops-{uuid.uuid4().hex[:10]}"
     app = celery.Celery("djops_relay", broker="memory://", set_as_current=False)
+    app.conf.task_default_queue = queue
     setup(app, guard())
     out = io.StringIO()
     call_command("taskonce", "relay", "--once", "--older-than", "0", stdout=out)
     assert out.getvalue() == "published the pending sends of 1 record(s)\n"
     assert not store.get("orders:m-stranded").sends_pending
     with app.connection_for_read() as connection:
-        message = connection.SimpleQueue("celery").get(timeout=5)
+        message = connection.SimpleQueue(queue).get(timeout=5)
         assert message.headers["id"] == "child-7"
         assert message.headers["task"] == "shop.ship"
         message.ack()
