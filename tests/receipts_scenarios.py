@@ -212,12 +212,8 @@ def check_lost_then_run_once(world: World, sent: Sent) -> None:
     assert world.queued(sent.queue) == 0
 
 
-def check_arrived_never_published_again(world: World, name: str) -> None:
-    """The child ran at once; the relay's look found its record; nothing is published again,
-    nothing skipped, for several confirm_within periods."""
-    sent = world.sent[name]
-    watch = world.watches[name]
-    wait_for(lambda: world.runs(sent) >= 1, timeout=60, interval=0.1, what=sent.label)
+def wait_until_settled(sent: Sent, watch: Watch) -> None:
+    """Wait until ``watch`` saw ``sent`` awaited and then no longer: its receipt was found."""
     wait_for(
         lambda: not watch.is_alive(),
         timeout=60,
@@ -225,6 +221,15 @@ def check_arrived_never_published_again(world: World, name: str) -> None:
         what=f"{sent.sender_key}'s receipt to be found",
     )
     assert watch.first_seen, "the send was never awaited"
+
+
+def check_arrived_never_published_again(world: World, name: str) -> None:
+    """The child ran at once; the relay's look found its record; nothing is published again,
+    nothing skipped, for several confirm_within periods."""
+    sent = world.sent[name]
+    watch = world.watches[name]
+    wait_for(lambda: world.runs(sent) >= 1, timeout=60, interval=0.1, what=sent.label)
+    wait_until_settled(sent, watch)
     assert not world.awaiting(sent.sender_key)
     # Nothing can be due any more; watch a while anyway.
     end = sent.published_at + 4 * WITHIN + RELAY_EVERY
@@ -243,13 +248,7 @@ def check_deferred_not_sent_again_before_eta(world: World, name: str) -> None:
     ETA plus confirm_within: it runs once, after its ETA, and is never published again."""
     sent = world.sent[name]
     watch = world.watches[name]
-    wait_for(
-        lambda: not watch.is_alive(),
-        timeout=60,
-        interval=0.1,
-        what=f"{sent.sender_key}'s receipt to be found",
-    )
-    assert watch.first_seen, "the send was never awaited"
+    wait_until_settled(sent, watch)
     # Still awaited until the look at ETA + confirm_within (not at confirm_within).
     awaited = watch.last_seen - sent.published_at
     assert awaited >= DEFERRED_BY + WITHIN - 1.0, awaited
