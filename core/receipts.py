@@ -281,6 +281,8 @@ def _redispatched(dispatcher: Dispatcher, key: str, published: Sequence[Entry]) 
 
 
 def _unconfirmed(dispatcher: Dispatcher, key: str, entry: Entry) -> None:
+    from taskonce.outbox import OUTBOX_PREFIX
+
     send = Send.from_json(entry.send)
     name = send.body.get("task") or send.body.get("actor_name")
     logger.warning(
@@ -296,6 +298,9 @@ def _unconfirmed(dispatcher: Dispatcher, key: str, entry: Entry) -> None:
     dispatcher.sinks.send(
         make_event(
             Event.SEND_UNCONFIRMED,
+            # the sender's record, for taskonce inspect; a producer's outbox record is no
+            # delivery's key (its events name none)
+            key=None if key.startswith(OUTBOX_PREFIX) else key,
             queue=queue_of(entry.key),
             message_id=send.id,
             task=name,

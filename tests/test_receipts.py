@@ -173,6 +173,7 @@ def test_after_three_tries_the_send_is_reported_once_and_left_alone(
         assert guard.relay(older_than=0) == 0
     (event,) = events.named("send_unconfirmed")
     assert event["message_id"] == child and event["task"] == "child" and event["count"] == 1
+    assert event["key"] == "q:m1"  # the sender's record, where taskonce inspect shows it
     assert "published 3 more times and never received" in caplog.text
     for _ in range(5):
         clock.now += 10_000
@@ -377,6 +378,33 @@ def test_no_send_is_published_more_than_one_plus_tries_times(
     assert len(unconfirmed) <= 1
     if unconfirmed:
         assert broker.count(child) == 1 + receipts.TRIES
+
+
+@pytest.mark.parametrize(
+    ("sender", "key"), [("q:m1", "q:m1"), ("outbox:5f0c", None)], ids=["task", "outbox"]
+)
+def test_send_unconfirmed_names_the_sending_tasks_record(sender: str, key: str | None) -> None:
+    """``send_unconfirmed`` carries the sending task's key (the record ``taskonce inspect``
+    shows the send in); a producer's outbox record is no delivery's key, so its event names
+    none, as the outbox's other events."""
+
+    class Sinks:
+        def __init__(self) -> None:
+            self.seen: list[dict[str, Any]] = []
+
+        def send(self, event: Any) -> None:
+            self.seen.append(dict(event))
+
+    class Dispatcher:
+        sinks = Sinks()
+
+    send = Send("child-1", "python", {"task": "child"})
+    entry = receipts.Entry(send.to_json(), "child:child-1", tries=receipts.TRIES)
+    dispatcher: Any = Dispatcher()
+    receipts._unconfirmed(dispatcher, sender, entry)
+    (event,) = dispatcher.sinks.seen
+    assert event["event"] == "send_unconfirmed" and event["key"] == key
+    assert event["message_id"] == "child-1" and event["queue"] == "child"
 
 
 def test_every_store_repairs_a_lost_send(store: Store) -> None:
