@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Test files run in three processes (pytest-xdist, a file's tests in one of them; all the Spark
 # files in one, tests/conftest.py): most tests wait on real workers and servers, so on the
-# 2-CPU CI machine three at once finish pytest in about 11 minutes where two took about 21
+# 2-CPU CI machine three at once finish pytest in about 8 minutes where two took about 21
 # (with the JVM settings of tests/conftest.py). The longest files go first (LONGEST_FIRST there).
 TEST_PROCESSES ?= 3
 
