@@ -411,21 +411,24 @@ def test_every_store_repairs_a_lost_send(store: Store) -> None:
     """The same story on every store, by its own clock: lost, re-sent after confirm_within,
     then received and left alone."""
     guard, events, broker = setup(store, within=0.2)
-    child = send_one(guard, "s1")
-    assert broker.count(child) == 1
-    broker.lose = False
-    wait_for(lambda: guard.relay(older_than=0) == 1, timeout=10, what="the re-send")
-    assert broker.count(child) == 2
-    assert store.get(f"child:{child}") is not None
-    wait_for(
-        lambda: guard.relay(older_than=0) == 0 and store.stats()["receipts_awaited"] == 0,
-        timeout=10,
-        what="the receipt seen",
-    )
-    record = store.get("q:s1")
-    assert record is not None and record.receipts is None
-    assert broker.count(child) == 2
-    assert [e["reason"] for e in events.named("sends_redispatched")] == ["unconfirmed"]
+    # closed before the store fixture drops the store: its liveness thread would otherwise
+    # go on writing to a store that is gone, and log the outage into later tests' output
+    with guard:
+        child = send_one(guard, "s1")
+        assert broker.count(child) == 1
+        broker.lose = False
+        wait_for(lambda: guard.relay(older_than=0) == 1, timeout=10, what="the re-send")
+        assert broker.count(child) == 2
+        assert store.get(f"child:{child}") is not None
+        wait_for(
+            lambda: guard.relay(older_than=0) == 0 and store.stats()["receipts_awaited"] == 0,
+            timeout=10,
+            what="the receipt seen",
+        )
+        record = store.get("q:s1")
+        assert record is not None and record.receipts is None
+        assert broker.count(child) == 2
+        assert [e["reason"] for e in events.named("sends_redispatched")] == ["unconfirmed"]
 
 
 def test_a_failed_run_waiting_for_its_retry_is_not_taken_for_a_lost_message(
