@@ -157,14 +157,15 @@ def count_run(table: str, task: Any, label: str) -> int:
 # -- tasks ------------------------------------------------------------------------------------
 
 
-@app.task(
-    shared=False,
-    base=IdempotentTask,
-    bind=True,
-    acks_late=True,
-    reject_on_worker_lost=True,
-    name="t.record",
-)
+def guarded_task(**options: Any) -> Any:
+    """``app.task`` for this module's guarded tasks: bound, ``IdempotentTask``, not shared. A
+    shared task joins every Celery app created later in the same process: a test that imports
+    this module would hand its tasks (and their ``idempotency`` options) to the apps of the
+    tests after it, whose queue policies may refuse them."""
+    return app.task(shared=False, base=IdempotentTask, bind=True, **options)
+
+
+@guarded_task(acks_late=True, reject_on_worker_lost=True, name="t.record")
 def record(self: Any, table: str, label: str, sleep: float = 0.0, hang_first: bool = False) -> str:
     runs = count_run(table, self, label)
     if hang_first and runs == 1:
@@ -174,14 +175,7 @@ def record(self: Any, table: str, label: str, sleep: float = 0.0, hang_first: bo
     return label
 
 
-@app.task(
-    shared=False,
-    base=IdempotentTask,
-    bind=True,
-    acks_late=True,
-    idempotency={"lease": 300.0},
-    name="t.record_default_lease",
-)
+@guarded_task(acks_late=True, idempotency={"lease": 300.0}, name="t.record_default_lease")
 def record_default_lease(self: Any, table: str, label: str, sleep: float = 0.0) -> str:
     """``t.record`` with the Policy's default lease (300 s) instead of the stack's short one,
     so how long a duplicate waits depends on the guard's choice, not on a lease of 3 s."""
@@ -191,9 +185,7 @@ def record_default_lease(self: Any, table: str, label: str, sleep: float = 0.0) 
     return label
 
 
-@app.task(
-    shared=False, base=IdempotentTask, bind=True, acks_late=True, max_retries=5, name="t.flaky"
-)
+@guarded_task(acks_late=True, max_retries=5, name="t.flaky")
 def flaky(self: Any, table: str, label: str, fails: int) -> dict[str, Any]:
     count_run(table, self, label)
     if self.request.retries < fails:
@@ -201,10 +193,7 @@ def flaky(self: Any, table: str, label: str, fails: int) -> dict[str, Any]:
     return {"label": label, "attempts": self.request.retries + 1}
 
 
-@app.task(
-    shared=False,
-    base=IdempotentTask,
-    bind=True,
+@guarded_task(
     acks_late=True,
     autoretry_for=(ValueError,),
     retry_kwargs={"countdown": 0, "max_retries": 5},
@@ -217,26 +206,19 @@ def auto(self: Any, table: str, label: str, fails: int) -> dict[str, Any]:
     return {"label": label, "attempts": self.request.retries + 1}
 
 
-@app.task(shared=False, base=IdempotentTask, bind=True, acks_late=True, name="t.chain_a")
+@guarded_task(acks_late=True, name="t.chain_a")
 def chain_a(self: Any, table: str, label: str) -> str:
     count_run(table, self, label)
     return f"{label}-a"
 
 
-@app.task(shared=False, bind=True, acks_late=True, name="t.chain_b")
+@app.task(shared=False, bind=True, acks_late=True, name="t.chain_b")  # a plain task: not guarded
 def chain_b(self: Any, value: str, table: str) -> str:
     count_run(table, self, value)
     return f"{value}-b"
 
 
-@app.task(
-    shared=False,
-    base=IdempotentTask,
-    bind=True,
-    acks_late=True,
-    reject_on_worker_lost=True,
-    name="t.effect",
-)
+@guarded_task(acks_late=True, reject_on_worker_lost=True, name="t.effect")
 def effect(
     self: Any,
     table: str,
@@ -333,26 +315,19 @@ def _committed(effects: str, label: str) -> int:
     return int(row[0])
 
 
-@app.task(
-    shared=False,
-    base=IdempotentTask,
-    bind=True,
-    acks_late=True,
-    idempotency={"mode": "eager"},
-    name="t.override",
-)
+@guarded_task(acks_late=True, idempotency={"mode": "eager"}, name="t.override")
 def override(self: Any, table: str, label: str) -> str:
     count_run(table, self, label)
     return label
 
 
-@app.task(shared=False, base=IdempotentTask, bind=True, name="t.noack")
+@guarded_task(name="t.noack")
 def noack(self: Any, table: str, label: str) -> str:
     count_run(table, self, label)
     return label
 
 
-@app.task(shared=False, base=IdempotentTask, bind=True, acks_late=True, name="t.misconfigured")
+@guarded_task(acks_late=True, name="t.misconfigured")
 def misconfigured(self: Any, table: str, label: str) -> str:
     count_run(table, self, label)
     return label
@@ -360,14 +335,7 @@ def misconfigured(self: Any, table: str, label: str) -> str:
 
 if ENV.get("TO_BAD_TASK"):
 
-    @app.task(
-        shared=False,
-        base=IdempotentTask,
-        bind=True,
-        acks_late=True,
-        idempotency={"transactional": True},
-        name="t.wants_sql",
-    )
+    @guarded_task(acks_late=True, idempotency={"transactional": True}, name="t.wants_sql")
     def wants_sql(self: Any, table: str, label: str) -> str:
         count_run(table, self, label)
         return label
@@ -410,10 +378,7 @@ def _disarm(**_: Any) -> None:
     _KILL.clear()
 
 
-@app.task(
-    shared=False,
-    base=IdempotentTask,
-    bind=True,
+@guarded_task(
     acks_late=True,
     reject_on_worker_lost=True,
     autoretry_for=(FlakyError,),
@@ -449,14 +414,7 @@ def sender(
     return label
 
 
-@app.task(
-    shared=False,
-    base=IdempotentTask,
-    bind=True,
-    acks_late=True,
-    reject_on_worker_lost=True,
-    name="t.step",
-)
+@guarded_task(acks_late=True, reject_on_worker_lost=True, name="t.step")
 def step(self: Any, previous: Any, table: str, label: str, kill_at: int = 0) -> str:
     """A chain step (or chord body): counts its run, returns ``previous>label``; its first run
     dies at the ``kill_at``-th publish of its hand-off (the next chain step)."""
@@ -466,14 +424,7 @@ def step(self: Any, previous: Any, table: str, label: str, kill_at: int = 0) -> 
     return f"{previous}>{label}"
 
 
-@app.task(
-    shared=False,
-    base=IdempotentTask,
-    bind=True,
-    acks_late=True,
-    reject_on_worker_lost=True,
-    name="t.canvas",
-)
+@guarded_task(acks_late=True, reject_on_worker_lost=True, name="t.canvas")
 def canvas(self: Any, table: str, label: str, kind: str, kill_at: int = 0) -> str:
     """Sends a group of three ``t.record`` (or a chord of them into ``t.step``)."""
     runs = count_run(table, self, label)
@@ -487,14 +438,7 @@ def canvas(self: Any, table: str, label: str, kind: str, kill_at: int = 0) -> st
     return label
 
 
-@app.task(
-    shared=False,
-    base=IdempotentTask,
-    bind=True,
-    acks_late=True,
-    reject_on_worker_lost=True,
-    name="t.tx_sender",
-)
+@guarded_task(acks_late=True, reject_on_worker_lost=True, name="t.tx_sender")
 def tx_sender(self: Any, table: str, effects: str, label: str, child: str) -> str:
     """Transactional: writes a row through the guard's transaction and sends a child; its first
     run dies before the commit (the row, the mark and the send never land)."""
@@ -511,15 +455,7 @@ def tx_sender(self: Any, table: str, effects: str, label: str, child: str) -> st
     return label
 
 
-@app.task(
-    shared=False,
-    base=IdempotentTask,
-    bind=True,
-    acks_late=True,
-    reject_on_worker_lost=True,
-    max_retries=3,
-    name="t.part",
-)
+@guarded_task(acks_late=True, reject_on_worker_lost=True, max_retries=3, name="t.part")
 def part(self: Any, table: str, label: str, kill_at: int = 0, fail_first: bool = False) -> str:
     """A chord header task: counts its run; its first run fails and is retried (``fail_first``)
     or, successful, arms a kill at the ``kill_at``-th publish of its hand-off (only the header
@@ -532,14 +468,7 @@ def part(self: Any, table: str, label: str, kill_at: int = 0, fail_first: bool =
     return label
 
 
-@app.task(
-    shared=False,
-    base=IdempotentTask,
-    bind=True,
-    acks_late=True,
-    reject_on_worker_lost=True,
-    name="t.replacer",
-)
+@guarded_task(acks_late=True, reject_on_worker_lost=True, name="t.replacer")
 def replacer(
     self: Any,
     table: str,
@@ -564,7 +493,7 @@ def replacer(
     return self.replace(sender.si(table, then, then_children))
 
 
-@app.task(shared=False, base=IdempotentTask, bind=True, name="t.early_sender")
+@guarded_task(name="t.early_sender")
 def early_sender(self: Any, table: str, label: str, child: str) -> str:
     """Acknowledged before it runs (no acks_late); its first run dies in the hand-off."""
     runs = count_run(table, self, label)
@@ -604,9 +533,7 @@ send_to_1s = app.task(
 )(_send_to)
 
 
-@app.task(
-    shared=False, base=IdempotentTask, bind=True, acks_late=True, max_retries=2, name="t.retrying"
-)
+@guarded_task(acks_late=True, max_retries=2, name="t.retrying")
 def retrying(self: Any, table: str, label: str) -> str:
     """Fails every run and retries 3 s later, twice: three runs, then it fails for good."""
     count_run(table, self, label)
