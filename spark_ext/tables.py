@@ -62,11 +62,6 @@ def _write_table(frame: Any, path: str) -> None:
     frame.write.mode("overwrite").parquet(path)
 
 
-def write_tables(spark: SparkSession, result: AuditResult, folder: Path) -> None:
-    """Write every table of ``result`` under ``folder`` and wait for them."""
-    start_tables(spark, result, folder).wait()
-
-
 def _write_scope_tables(spark: SparkSession, result: AuditResult, uri: str) -> None:
     """The ``metrics`` (one row per scope) and ``gap_buckets`` (per scope and bucket) tables."""
     from pyspark.sql.types import (
