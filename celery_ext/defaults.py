@@ -113,7 +113,8 @@ def seconds_ahead(app: Any, countdown: Any, eta: Any) -> float | None:
         return None
     if eta.tzinfo is None:  # Celery reads a naive ETA in UTC (enable_utc) or local time
         eta = eta.replace(tzinfo=dt.timezone.utc) if app.conf.enable_utc else eta.astimezone()
-    return (eta - dt.datetime.now(dt.timezone.utc)).total_seconds()
+    ahead: float = (eta - dt.datetime.now(dt.timezone.utc)).total_seconds()
+    return ahead
 
 
 def check_eta(task: Any, options: Mapping[str, Any]) -> bool:
