@@ -147,7 +147,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     to the broker. Both are what make a crash recoverable, and the guard is what makes them
     safe (the copies they bring back are skipped, deferred or take a dead run's claim over).
     A task that turns either off explicitly gets one warning when the worker starts
-    (:func:`~taskonce.celery_ext.config.warn_unsafe_acks`).
+    (:func:`~taskonce.celery_ext.defaults.warn_unsafe_acks`).
 
     :attr:`idempotency` overrides the policy of the queue the message arrived on (a dict
     changes only the fields it names; a :class:`~taskonce.Policy` replaces it). Calling the
