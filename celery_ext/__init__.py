@@ -10,7 +10,7 @@
     setup(app, taskonce.Guard(taskonce.open_store("redis://localhost:6379/0")))
     # or: app.conf.taskonce_store = "redis://…"; taskonce_default / taskonce_queues
 
-    @app.task(base=IdempotentTask, acks_late=True, idempotency={"mode": "eager"})
+    @app.task(base=IdempotentTask, idempotency={"mode": "eager"})  # acks_late: the class sets it
     def charge(order_id): ...
 
 Importing this package connects a ``before_task_publish`` receiver that stamps each task

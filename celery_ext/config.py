@@ -33,9 +33,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
-from celery.signals import worker_init, worker_ready
+from celery.signals import celeryd_after_setup, worker_init, worker_ready
 
 from taskonce import exits
+from taskonce.celery_ext.defaults import warn_unsafe_acks
 from taskonce.celery_ext.handoff import install
 from taskonce.errors import ConfigError, StoreUnavailable
 from taskonce.events import EventSink, JsonlEvents
@@ -62,7 +63,6 @@ class AppState:
     relay_every: float = DEFAULT_RELAY_EVERY
     #: effective policy per (task name, queue, time limit)
     policies: dict[tuple[str, str, float | None], Policy] = dataclasses.field(default_factory=dict)
-    acks_late_warned: set[str] = dataclasses.field(default_factory=set)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -331,6 +331,16 @@ def _check_at_worker_start(sender: Any = None, **_: Any) -> None:
         refuse_start(exc)
 
 
+def _warn_at_worker_start(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    """Once per worker, in its main process, once its logging is set up and before it
+    consumes: one warning line per guarded task whose run is lost when its process dies
+    (``acks_late`` or ``reject_on_worker_lost`` turned off,
+    :func:`~taskonce.celery_ext.defaults.warn_unsafe_acks`)."""
+    app = getattr(instance, "app", None)
+    if app is not None:
+        warn_unsafe_acks(guarded_tasks(app))
+
+
 def _start_relay(sender: Any = None, **_: Any) -> None:
     """Once the worker is ready, in its main process: the hand-off relay of an app that has
     guarded tasks (one sweep per worker, however many pool processes it has)."""
@@ -347,4 +357,7 @@ def _start_relay(sender: Any = None, **_: Any) -> None:
 
 
 worker_init.connect(_check_at_worker_start, weak=False, dispatch_uid="taskonce.celery_ext.init")
+celeryd_after_setup.connect(
+    _warn_at_worker_start, weak=False, dispatch_uid="taskonce.celery_ext.defaults"
+)
 worker_ready.connect(_start_relay, weak=False, dispatch_uid="taskonce.celery_ext.relay")

@@ -33,6 +33,7 @@ from taskonce.celery_ext.config import (
     refuse_start,
     worker_starting,
 )
+from taskonce.celery_ext.defaults import check_eta
 from taskonce.celery_ext.routing import QUEUE_HEADER, delivery_queue
 from taskonce.errors import ConfigError, InProgressElsewhere
 from taskonce.guard import Delivery, Guard, Ticket
@@ -44,14 +45,6 @@ logger = logging.getLogger("taskonce.celery")
 #: The header counting the guard's deferrals of a message (a copy published again because
 #: another worker held its key): the audit counts a re-deferred copy as one duplicate.
 DEFERRED_HEADER = "taskonce_deferred"
-
-ACKS_LATE_WARNING = (
-    "taskonce: guarded task %s runs without acks_late=True. Its message is acknowledged "
-    "before the body runs, so a worker that dies mid-task loses the message and taskonce has "
-    "nothing to run again once the claim's lease runs out. Set acks_late=True (and "
-    "reject_on_worker_lost=True) on guarded tasks: the guard turns the broker's redeliveries "
-    "into skips, so late acknowledgement costs no duplicates."
-)
 
 
 def lease_beyond(time_limit: float) -> float:
@@ -146,8 +139,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     ::
 
-        @app.task(base=IdempotentTask, acks_late=True, idempotency={"mode": "lazy"})
+        @app.task(base=IdempotentTask, idempotency={"mode": "lazy"})
         def charge(order_id): ...
+
+    The class sets :attr:`acks_late` and :attr:`reject_on_worker_lost` to ``True``: a message
+    is acknowledged only after its body ran, and one whose pool process died mid-body goes back
+    to the broker. Both are what make a crash recoverable, and the guard is what makes them
+    safe (the copies they bring back are skipped, deferred or take a dead run's claim over).
+    A task that turns either off explicitly gets one warning when the worker starts
+    (:func:`~taskonce.celery_ext.defaults.warn_unsafe_acks`).
 
     :attr:`idempotency` overrides the policy of the queue the message arrived on (a dict
     changes only the fields it names; a :class:`~taskonce.Policy` replaces it). Calling the
@@ -156,6 +156,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     #: Per-task policy override: a dict of :class:`~taskonce.Policy` fields or a ``Policy``.
     idempotency: Policy | Mapping[str, Any] | None = None
+
+    #: Acknowledge the message after the body ran, not before: a worker that dies mid-body
+    #: leaves it with the broker. Set on the class, so the app's ``task_acks_late`` setting
+    #: does not change it (Celery fills a task attribute from the settings only where it is
+    #: ``None``); a task's own ``acks_late=False`` does, with a warning at worker start.
+    acks_late = True
+    #: Give the message back to the broker when the pool process running it dies (``SIGKILL``,
+    #: the OOM killer) instead of acknowledging it as ``FAILURE`` (``WorkerLostError``).
+    reject_on_worker_lost = True
 
     #: Refuses messages without a task id before Celery's own strategy (which would crash the
     #: consumer on a missing ``id`` header).
@@ -234,9 +243,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """Run the body; record its outcome (:func:`taskonce.action.after`) and act on that."""
         ticket, request = action.ticket, call.request
         assert ticket is not None
-        if not call.eager and not self.acks_late and self.name not in call.state.acks_late_warned:
-            call.state.acks_late_warned.add(self.name)
-            logger.warning(ACKS_LATE_WARNING, self.name)
         active = _Active(call.guard, ticket)
         token = _ACTIVE.set(active)
         try:
@@ -495,6 +501,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 return publish()
         active.settled = True  # the replacement's claim: not a release of this run
         return celery_handoff.replaced(active.guard, active.ticket, publish)
+
+    def apply_async(self, *args: Any, **options: Any) -> Any:
+        """Celery's :meth:`~celery.Task.apply_async`, with one warning per task and setting when
+        a ``countdown``/``eta`` lies beyond the transport's ``visibility_timeout``
+        (:func:`~taskonce.celery_ext.defaults.check_eta`)."""
+        if options.get("countdown") or options.get("eta"):
+            try:
+                check_eta(self, options)
+            except Exception:  # a warning must never stop a publish
+                logger.debug("could not check the ETA of %s", self.name, exc_info=True)
+        return super().apply_async(*args, **options)
 
     def apply(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         """Celery's :meth:`~celery.Task.apply` (eager execution); a ``queue=`` option (as

@@ -53,6 +53,7 @@ from taskonce.dramatiq_ext.handoff import (
 from taskonce.dramatiq_ext.options import ActorPolicies
 from taskonce.dramatiq_ext.order import check_order
 from taskonce.dramatiq_ext.redelivery import Redelivery, deferrals
+from taskonce.dramatiq_ext.requeue import requeue_warnings
 from taskonce.dramatiq_ext.results import keep_first_result
 from taskonce.dramatiq_ext.tickets import TicketBook
 from taskonce.errors import ConfigError, StoreUnavailable
@@ -169,6 +170,7 @@ class IdempotencyMiddleware(Middleware):
         )
         self._declared_here: set[str] = set()
         self._queues: dict[str, str] = {}
+        self._requeue_warned = False
 
     @property
     def actor_options(self) -> set[str]:
@@ -254,8 +256,29 @@ class IdempotencyMiddleware(Middleware):
         self.attach(broker)
 
     def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
-        """Start this process's hand-off relay (every ``relay_every`` seconds)."""
+        """Start this process's hand-off relay (every ``relay_every`` seconds); say where the
+        broker's settings lose a killed process's messages."""
         self.guard.start_relay(self.relay_every)
+        self._warn_requeue(broker)
+
+    def _warn_requeue(self, broker: Broker) -> None:
+        """Once per worker: log each broker setting that keeps a dead worker process's messages
+        from coming back (:func:`~taskonce.dramatiq_ext.requeue.requeue_warnings`). The
+        ``dramatiq`` command boots all its worker processes alike, so only the first speaks:
+        they are the first processes it starts, which multiprocessing names Process-1…N."""
+        if self._requeue_warned or (
+            in_worker_process() and multiprocessing.current_process().name != "Process-1"
+        ):
+            return
+        self._requeue_warned = True
+        try:
+            actors = [(n, self.policies.for_name(broker, n)) for n in sorted(broker.actors)]
+            lines = requeue_warnings(broker, actors)
+        except Exception:  # a warning must never stop a worker's start
+            logger.debug("could not check the broker's requeue settings", exc_info=True)
+            return
+        for line in lines:
+            logger.warning(line)
 
     # -- processing ------------------------------------------------------------------------
 

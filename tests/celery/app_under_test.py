@@ -175,6 +175,14 @@ def record(self: Any, table: str, label: str, sleep: float = 0.0, hang_first: bo
     return label
 
 
+@app.task(base=IdempotentTask, shared=False, name="t.bare")  # as a user writes it: no options
+def bare(table: str, label: str, hang_first: bool = False) -> str:
+    """Counts its run; the first run hangs (the test SIGKILLs its pool process)."""
+    if count_run(table, bare, label) == 1 and hang_first:
+        time.sleep(120)
+    return label
+
+
 @guarded_task(acks_late=True, idempotency={"lease": 300.0}, name="t.record_default_lease")
 def record_default_lease(self: Any, table: str, label: str, sleep: float = 0.0) -> str:
     """``t.record`` with the Policy's default lease (300 s) instead of the stack's short one,
@@ -321,7 +329,7 @@ def override(self: Any, table: str, label: str) -> str:
     return label
 
 
-@guarded_task(name="t.noack")
+@guarded_task(acks_late=False, name="t.noack")  # the worker warns about it at start
 def noack(self: Any, table: str, label: str) -> str:
     count_run(table, self, label)
     return label
@@ -493,7 +501,7 @@ def replacer(
     return self.replace(sender.si(table, then, then_children))
 
 
-@guarded_task(name="t.early_sender")
+@guarded_task(acks_late=False, name="t.early_sender")
 def early_sender(self: Any, table: str, label: str, child: str) -> str:
     """Acknowledged before it runs (no acks_late); its first run dies in the hand-off."""
     runs = count_run(table, self, label)

@@ -319,8 +319,45 @@ def test_same_id_with_other_arguments_is_refused_not_run(stack: Stack, runs: Tab
     assert (kept.state, kept.result) == ("SUCCESS", "first")
 
 
-def test_guarded_task_without_acks_late_logs_a_warning(stack: Stack, runs: Table) -> None:
+def test_task_with_acks_late_off_is_named_once_at_worker_start(stack: Stack, runs: Table) -> None:
+    """``t.noack`` turns ``acks_late`` off: one warning line at the worker's start names it and
+    what it loses; running it adds none (the worker logged it before consuming)."""
+    lines = [
+        line
+        for line in stack.worker.log().splitlines()
+        if "guarded task t.noack has acks_late=False" in line
+    ]
+    assert len(lines) == 1, stack.worker.log()
+    assert "WARNING" in lines[0] and "lost and never runs again" in lines[0]
+    # the guarded tasks that keep the defaults are not named
+    assert "guarded task t.record " not in stack.worker.log()
+    assert "guarded task t.bare " not in stack.worker.log()
     task_id = new_id()
     stack.send("t.noack", (runs.name, "noack"), "eager", task_id=task_id)
     wait_for(lambda: stack.count(task_id, "completed") == 1, what="the completion")
-    assert "guarded task t.noack runs without acks_late=True" in stack.worker.log()
+    assert stack.worker.log().count("guarded task t.noack has acks_late=False") == 1
+
+
+def test_bare_guarded_task_killed_mid_body_runs_again_once(stack: Stack, runs: Table) -> None:
+    """``@app.task(base=IdempotentTask)`` and nothing else: the class's own ``acks_late`` and
+    ``reject_on_worker_lost`` keep the message of a pool process SIGKILLed mid-body. Celery
+    gives it back, the guard takes the dead run's claim over, and it finishes exactly once."""
+    task_id, options = new_id(), {"kwargs": {"hang_first": True}}
+    stack.send("t.bare", (runs.name, "bare"), "eager", task_id=task_id, **options)
+    first = wait_for(lambda: runs.rows("bare"), timeout=20, what="the first run to start")
+    child = first[0][4]
+    os.kill(child, signal.SIGKILL)
+
+    wait_for(lambda: stack.count(task_id, "completed") == 1, timeout=30, what="the run again")
+    assert stack.app.AsyncResult(task_id).get(timeout=10) == "bare"
+    rows = runs.rows("bare")
+    assert len(rows) == 2 and rows[1][4] != child
+    names = [e["event"] for e in stack.events(task_id) if e["event"] != "lease_renewed"]
+    assert names.count("claimed") == 1
+    assert names.count("lease_taken_over") == 1
+    assert names.count("completed") == 1
+    # A copy sent again is a duplicate: the run stays the only one.
+    stack.send("t.bare", (runs.name, "bare"), "eager", task_id=task_id, **options)
+    wait_for(lambda: stack.count(task_id, "duplicate_skipped") == 1, what="the copy's skip")
+    assert runs.count("bare") == 2
+    assert stack.worker.alive()

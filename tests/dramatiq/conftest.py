@@ -66,8 +66,10 @@ class Worker:
         log: Path,
         env: dict[str, str] | None = None,
         queues: list[str] | None = None,
+        processes: int = 1,
     ) -> None:
         self.config = config
+        self.processes = processes
         self.log = log
         self.env = env or {}
         self.queues = queues  # consume only these (names without the namespace); None: all
@@ -84,7 +86,7 @@ class Worker:
                     "dramatiq",
                     "tests.dramatiq.worker_app:broker",
                     "--processes",
-                    "1",
+                    str(self.processes),
                     "--threads",
                     "2",
                     "--path",
@@ -129,13 +131,17 @@ class Harness:
     # -- workers ---------------------------------------------------------------------------
 
     def start_worker(
-        self, ready: bool = True, env: dict[str, str] | None = None, queues: list[str] | None = None
+        self,
+        ready: bool = True,
+        env: dict[str, str] | None = None,
+        queues: list[str] | None = None,
+        processes: int = 1,
     ) -> Worker:
         """Start a worker (with ``env`` added to its environment; consuming only ``queues``, names
-        without the namespace, when given); wait until it is ready (its pings need the main
-        queues)."""
+        without the namespace, when given; ``processes`` worker processes); wait until it is
+        ready (its pings need the main queues)."""
         log = self.tmp / f"worker-{len(self.workers)}.log"
-        worker = Worker(self.config, log, env, queues).start()
+        worker = Worker(self.config, log, env, queues, processes).start()
         self.workers.append(worker)
         if ready:
             self.wait_ready(worker)
