@@ -156,3 +156,30 @@ def test_dramatiq_actor_sees_its_key_and_the_next_message_none() -> None:
         broker.close()
     assert seen == [("a", f"payments:{first.message_id}"), ("b", None)]
     assert taskonce.current_key() is None
+
+
+def test_dramatiq_async_actor_sees_its_key() -> None:
+    """An ``async def`` actor runs on the AsyncIO middleware's event-loop thread, started with a
+    copy of the worker thread's context: the key is there too."""
+    from dramatiq.middleware.asyncio import AsyncIO
+
+    broker = StubBroker()
+    broker.emit_after("process_boot")
+    broker.add_middleware(AsyncIO())
+    broker.add_middleware(IdempotencyMiddleware(taskonce.Guard(MemoryStore())))
+    seen: list[str | None] = []
+
+    @dramatiq.actor(broker=broker, queue_name="payments", max_retries=0)
+    async def charge(order: str) -> None:
+        seen.append(taskonce.current_key())
+
+    worker = dramatiq.Worker(broker, worker_timeout=50, worker_threads=1)
+    worker.start()
+    try:
+        message = charge.send("a")
+        broker.join("payments")
+        worker.join()
+    finally:
+        worker.stop()
+        broker.close()
+    assert seen == [f"payments:{message.message_id}"]

@@ -32,13 +32,13 @@ def charge(
         notes.write(json.dumps({"pid": os.getpid(), "key": key}) + "\n")
     with open(keys_file) as notes:
         run = sum(1 for line in notes if line.strip())
-    request = urllib.request.Request(  # noqa: S310 - the test's loopback server
+    request = urllib.request.Request(
         url,
         data=json.dumps({"order": order, "amount": amount}).encode(),
         headers={"Content-Type": "application/json", "Idempotency-Key": key or ""},
         method="POST",
     )
-    with urllib.request.urlopen(request, timeout=10) as answer:  # noqa: S310
+    with urllib.request.urlopen(request, timeout=10) as answer:
         charge_id = str(json.load(answer)["id"])
     if die_after_call and run == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # charged, but the task never ends
