@@ -35,6 +35,7 @@ from taskonce.celery_ext.config import (
 )
 from taskonce.celery_ext.defaults import check_eta
 from taskonce.celery_ext.routing import QUEUE_HEADER, delivery_queue
+from taskonce.current import handling
 from taskonce.errors import ConfigError, InProgressElsewhere
 from taskonce.guard import Delivery, Guard, Ticket
 from taskonce.handoff import send_now
@@ -247,7 +248,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         token = _ACTIVE.set(active)
         try:
             try:
-                result = self._body(call.args, call.kwargs)
+                with handling(ticket.key):  # taskonce.current_key() in the body
+                    result = self._body(call.args, call.kwargs)
                 if ticket.capture is not None and not call.eager and request.id not in _HELD:
                     # The tracer publishes these after we return, i.e. after the record: they
                     # are part of this outcome's sends instead.
@@ -274,7 +276,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             _ACTIVE.reset(token)
 
     def _run_unguarded(self, action: Action, call: _Call) -> Any:
-        return super().__call__(*call.args, **call.kwargs)
+        # fail_open: the key the guard would have claimed; enabled=False: None
+        with handling(None if action.ticket is None else action.ticket.key):
+            return super().__call__(*call.args, **call.kwargs)
 
     def _ack(self, action: Action, call: _Call) -> None:
         if action.error is not None:  # the body's effects happened; the record is incomplete
@@ -311,10 +315,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 call.request.id,
                 delay,
             )
-        else:  # DEBUG: the guard logs the outage itself, once per change (taskonce.outage)
+        else:  # DEBUG: the guard logs the outage (or the internal error) itself, once
             logger.debug(
-                "taskonce: %s[%s] not run, the store is unreachable (fail_closed); delivered "
-                "again in %.1fs: %s",
+                "taskonce: %s[%s] not run, the store is unreachable or failed (fail_closed); "
+                "delivered again in %.1fs: %s",
                 self.name,
                 call.request.id,
                 delay,
@@ -560,7 +564,7 @@ CELERY: dict[Do, Callable[[IdempotentTask, Action, _Call], Any]] = {
     Do.BACK_OFF: IdempotentTask._back_off,  # the same after taskonce_store_retry_delay
     Do.REJECT: IdempotentTask._refuse,  # Reject(requeue=False): dead-lettered
     Do.LOST: IdempotentTask._lost,  # Ignore: the run that took the claim over is of record
-    Do.RAISE: IdempotentTask._raise,  # the exception: Celery's FAILURE
+    Do.RAISE: IdempotentTask._raise,  # the handler's own commit error: Celery's FAILURE
 }
 
 #: Celery's own ``Task.__call__``, as imported (before any ``add_around`` wrapping).

@@ -6,6 +6,7 @@ docs/how-it-works.md describes keys, modes, the decision table and the events.
 
 from __future__ import annotations
 
+from taskonce.current import current_key
 from taskonce.errors import (
     ConfigError,
     InProgressElsewhere,
@@ -53,6 +54,7 @@ __all__ = [
     "TaskonceError",
     "Ticket",
     "__version__",
+    "current_key",
     "current_session",
     "open_store",
     "send_now",

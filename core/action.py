@@ -4,6 +4,11 @@
 each answers one :class:`Action`. Every framework maps the kinds (:class:`Do`) onto its own
 words in one table — ``celery_ext/task.py`` and ``dramatiq_ext/middleware.py`` — and nowhere
 else; docs/how-it-works.md (*What each framework does with it*) shows both in one table.
+
+An unexpected error inside the guard or the store (a bug, an incompatible driver) is never the
+handler's failure: before the handler it is treated as a store outage (``on_store_error``:
+``fail_closed`` backs off, ``fail_open`` runs unguarded), after it as an outcome the store could
+not record; :mod:`taskonce.internal` logs each distinct one with its traceback once.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from taskonce import internal
 from taskonce.errors import (
     ConfigError,
     InvalidInput,
@@ -20,7 +26,10 @@ from taskonce.errors import (
     PayloadMismatch,
     StoreUnavailable,
 )
-from taskonce.ticket import Decision, Delivery, Ticket
+from taskonce.events import Event
+from taskonce.keys import make_key
+from taskonce.record import is_handlers_own
+from taskonce.ticket import Decision, Delivery, Ticket, ticket_event
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -36,10 +45,10 @@ class Do(str, enum.Enum):
     ACK = "ack"  # the outcome is recorded: acknowledge as the framework does after a success
     SKIP = "skip"  # a duplicate: acknowledge; no result stored, no callbacks, no retry
     REDELIVER = "redeliver"  # in progress elsewhere: the same message again after ``delay`` s
-    BACK_OFF = "back_off"  # store unreachable (fail_closed): again after the framework's backoff
+    BACK_OFF = "back_off"  # store unreachable or failing (fail_closed): again after a backoff
     REJECT = "reject"  # never runnable (payload mismatch, unusable id, config error): dead-letter
     LOST = "lost"  # the claim was taken over while the handler ran: the other run is of record
-    RAISE = "raise"  # an unexpected error: the framework's failure path
+    RAISE = "raise"  # the handler's own error at its commit: the framework's failure path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +78,11 @@ def before(
     kwargs: Mapping[str, Any] | None = None,
 ) -> Action:
     """Ask ``guard`` what to do with a delivery before its handler runs. ``delivery()`` builds
-    it (a configuration error there is refused like the guard's own); None: not guarded."""
+    it (a configuration error there is refused like the guard's own); None: not guarded.
+
+    An unexpected error (not a :class:`~taskonce.TaskonceError` the guard means) is an outage:
+    see :func:`_internal_error`."""
+    described: Delivery | None = None
     try:
         described = delivery()
         if described is None:
@@ -80,14 +93,49 @@ def before(
     except (InvalidInput, PayloadMismatch, ConfigError) as exc:
         return Action(Do.REJECT, error=exc)
     except Exception as exc:
-        return Action(Do.RAISE, error=exc)
+        return _internal_error(guard, described, exc)
     return _of(ticket, ran=False)
+
+
+def _internal_error(guard: Guard, described: Delivery | None, exc: Exception) -> Action:
+    """An unexpected error before the handler ran, handled like a store outage: logged (its
+    traceback once per distinct error), a ``store_error`` event with ``reason``
+    ``"internal_error"``, and then ``on_store_error``: ``fail_closed`` backs off (the message
+    goes back to the broker for a later try), ``fail_open`` runs the handler unguarded. Never
+    the task's failure: acknowledging it as failed would lose a message that never ran."""
+    ticket: Ticket | None = None
+    if described is not None:
+        try:
+            policy = guard.policy_for(described.queue, described.override)
+            key = make_key(described.message_id, described.queue, policy.identity)
+            ticket = Ticket(described, policy, Decision.UNGUARDED, key=key)
+        except Exception:  # noqa: S110 - the policy is unknown: fail closed, below
+            pass
+    name = described.task if described is not None and described.task else "a message"
+    which = f"{name}[{described.message_id}]" if described is not None else name
+    fail_open = ticket is not None and ticket.policy.on_store_error == "fail_open"
+    then = (
+        "running it unguarded (on_store_error=fail_open)"
+        if fail_open
+        else "it was not run and goes back to the broker for a later try (fail_closed)"
+    )
+    internal.report(exc, f"before running {which}", then)
+    if ticket is not None and not guard.sinks.quiet(Event.STORE_ERROR):
+        guard.sinks.send(ticket_event(Event.STORE_ERROR, ticket, reason="internal_error"))
+    if fail_open:
+        return Action(Do.RUN_UNGUARDED, ticket)
+    return Action(Do.BACK_OFF, error=exc)
 
 
 def after(guard: Guard, ticket: Ticket, result: Any) -> Action:
     """Record the successful run of ``ticket``'s handler (:meth:`Guard.finish`) and say what
     to do with the message. A transactional run whose commit failed is rolled back
-    (:meth:`Guard.fail`) and backs off: its writes are gone, it must run again."""
+    (:meth:`Guard.fail`) and backs off: its writes are gone, it must run again.
+
+    An unexpected error while recording is treated as the store failing: outside a transaction
+    the handler's effects stand unrecorded (acknowledged, logged); in one they were rolled back
+    (the guard released the claim), so it backs off and runs again. Only an error at the
+    commit that is the handler's own (its constraint checked at commit) is its failure."""
     try:
         guard.finish(ticket, result)
     except LeaseLost as exc:
@@ -102,7 +150,18 @@ def after(guard: Guard, ticket: Ticket, result: Any) -> Action:
     except PayloadMismatch as exc:  # found at a transactional mark, rolled back
         return Action(Do.REJECT, ticket, error=exc, ran=True)
     except Exception as exc:
-        return Action(Do.RAISE, ticket, error=exc, ran=True)
+        if is_handlers_own(exc):  # rolled back, the claim released: the framework's failure
+            return Action(Do.RAISE, ticket, error=exc, ran=True)
+        transactional = ticket.policy.transactional
+        then = (
+            "its writes were rolled back and it goes back to the broker to run again"
+            if transactional
+            else "it ran, but its outcome is not recorded (a redelivery may run it again)"
+        )
+        internal.report(exc, f"recording {ticket.delivery.task}[{ticket.key}]", then)
+        if transactional:  # Guard.finish rolled it back and released the claim already
+            return Action(Do.BACK_OFF, ticket, error=exc, ran=True)
+        return Action(Do.ACK, ticket, ran=True)  # logged above: effects stand, unrecorded
     return _of(ticket, ran=True)
 
 

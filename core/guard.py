@@ -21,6 +21,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from taskonce import receipts, worker
+from taskonce.current import run_as
 from taskonce.dispatch import RECORDER_HOLD, Dispatcher
 from taskonce.errors import (
     ConfigError,
@@ -214,7 +215,7 @@ class Guard:
             if policy.transactional:
                 try:
                     open_session(self.store, ticket)
-                except StoreUnavailable:
+                except Exception:  # unreachable, or failing: the claim is not kept
                     self.fail(ticket)
                     raise
             start_capture(ticket, self.send_limit)
@@ -393,7 +394,11 @@ class Guard:
                 ticket.lost = True
                 self._emit(Event.LEASE_LOST, ticket, duration=True)
             raise
-        except StoreUnavailable:
+        except Exception as exc:
+            if transactional and not isinstance(exc, StoreUnavailable):
+                close_session(ticket)  # a commit failed on the handler's account (see above)
+                self._release(ticket)  # or taskonce failed: rolled back, to run again
+                raise
             self._emit(Event.STORE_ERROR, ticket, duration=True)
             if sends and ticket._session is None:
                 # Its effects stand, its outcome unrecorded: its messages leave now, best
@@ -401,11 +406,6 @@ class Guard:
                 recorded = self.dispatcher.publish_all(key, sends) is not None
                 if recorded:
                     self._emit(Event.SENDS_DISPATCHED, ticket, count=len(sends))
-            raise
-        except Exception:
-            if transactional:  # the commit failed on the handler's account: see above
-                close_session(ticket)
-                self._release(ticket)
             raise
         finally:
             close_session(ticket)
@@ -473,10 +473,10 @@ class Guard:
         ticket = self.begin(delivery, args, kwargs)
         value = None
         if ticket.decision is Decision.UNGUARDED:
-            return Outcome("unguarded", fn(*args, **kwargs), ticket.key)
+            return Outcome("unguarded", run_as(ticket.key, fn, args, kwargs), ticket.key)
         if ticket.decision is Decision.RUN:
             try:
-                value = fn(*args, **kwargs)
+                value = run_as(ticket.key, fn, args, kwargs)
             except BaseException as exc:
                 self.fail(ticket, exc)
                 raise

@@ -20,12 +20,29 @@ from taskonce.stores.base import Record, Status, Store, TransactionalStore
 from taskonce.ticket import Ticket
 
 T = TypeVar("T")
+E = TypeVar("E", bound=BaseException)
 
 #: Attempts at the final write (complete/mark) when the store blips after the handler ran.
 FINAL_WRITE_ATTEMPTS = 3
 
 #: ``emit(event, ticket, duration=True)``: the guard's event of a recorded outcome.
 Emit = Callable[..., None]
+
+#: The attribute marking an error at a transactional commit as the handler's own.
+_HANDLERS_OWN = "_taskonce_handlers_own"
+
+
+def handlers_own(exc: E) -> E:
+    """Mark ``exc``, raised while committing a handler's transaction, as the handler's own
+    failure (its constraint checked at commit; Django's rollback-only transaction), not
+    taskonce's: the framework's failure path applies, as if the handler had raised it."""
+    setattr(exc, _HANDLERS_OWN, True)
+    return exc
+
+
+def is_handlers_own(exc: BaseException) -> bool:
+    """Whether :func:`handlers_own` marked ``exc``."""
+    return getattr(exc, _HANDLERS_OWN, False) is True
 
 
 def write_outcome(
@@ -136,8 +153,9 @@ def commit(ticket: Ticket) -> None:
     assert ticket._session is not None
     try:
         ticket._session.commit()
-    except IntegrityError:
+    except IntegrityError as exc:
         ticket._session.rollback()
+        handlers_own(exc)
         raise
     except OperationalError as exc:
         ticket._session.rollback()

@@ -34,7 +34,7 @@ from dramatiq import Middleware
 from dramatiq.common import q_name
 from dramatiq.errors import ActorNotFound
 
-from taskonce import exits
+from taskonce import current, exits
 from taskonce.action import Action, Do, after, before
 from taskonce.dramatiq_ext.errors import (
     DuplicateSkipped,
@@ -293,6 +293,9 @@ class IdempotencyMiddleware(Middleware):
             self.guard, lambda: self._delivery(broker, message, msg), msg.args, msg.kwargs
         )
         DRAMATIQ[action.do][0](self, broker, message, action)
+        # The actor runs (the rows that do not raise): taskonce.current_key() in this thread
+        # until after_process_message/after_skip_message (fail_open: the key it would claim).
+        current.enter(None if action.ticket is None else action.ticket.key)
 
     def _delivery(self, broker: Broker, message: MessageProxy, msg: Any) -> Delivery | None:
         policy = self.policies.for_name(broker, msg.actor_name)
@@ -317,7 +320,7 @@ class IdempotencyMiddleware(Middleware):
         return queue
 
     def _put_back_after_store_error(
-        self, broker: Broker, message: MessageProxy, exc: StoreUnavailable
+        self, broker: Broker, message: MessageProxy, exc: Exception
     ) -> NoReturn:
         try:
             delay = self.redelivery.after_store_error(broker, message)
@@ -354,6 +357,7 @@ class IdempotencyMiddleware(Middleware):
     ) -> None:
         """Record the outcome of a delivery this middleware began: finish on success, fail
         (release) on an exception or when the actor did not run."""
+        current.leave()
         ticket = self.tickets.take(message)
         if ticket is None:
             return
@@ -428,8 +432,8 @@ class IdempotencyMiddleware(Middleware):
             )
 
     def _back_off(self, broker: Broker, message: MessageProxy, action: Action) -> None:
-        if not action.ran:
-            assert isinstance(action.error, StoreUnavailable)
+        if not action.ran:  # the store unreachable, or an internal error (taskonce.action)
+            assert isinstance(action.error, Exception)
             self._put_back_after_store_error(broker, message, action.error)
         # The actor's transaction was rolled back with the mark (the guard released the
         # claim): run it again later.
@@ -494,6 +498,7 @@ class IdempotencyMiddleware(Middleware):
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         """A middleware after this one skipped a delivery this middleware claimed: release."""
+        current.leave()
         ticket = self.tickets.take(message)
         if ticket is not None:
             self.guard.fail(ticket)

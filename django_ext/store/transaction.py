@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from taskonce.errors import StoreUnavailable
+from taskonce.record import handlers_own
 
 from .statements import Compiler, DjangoConnection
 
@@ -51,11 +52,13 @@ class DjangoTransaction:
         if wrapper.needs_rollback:
             from django.db.transaction import TransactionManagementError
 
-            raise TransactionManagementError(
-                f"the handler caught a database error inside taskonce's transaction on "
-                f"database {self.alias!r} without an atomic() block of its own, so Django can "
-                "only roll the transaction back: nothing of this run was committed (wrap the "
-                "statement that may fail in transaction.atomic())"
+            raise handlers_own(  # the handler's failure, not taskonce's (taskonce.record)
+                TransactionManagementError(
+                    f"the handler caught a database error inside taskonce's transaction on "
+                    f"database {self.alias!r} without an atomic() block of its own, so Django "
+                    "can only roll the transaction back: nothing of this run was committed "
+                    "(wrap the statement that may fail in transaction.atomic())"
+                )
             )
         return DjangoConnection(wrapper, self._compiler)
 
@@ -69,7 +72,8 @@ class DjangoTransaction:
         self._open = False
         try:
             self._atomic.__exit__(None, None, None)
-        except IntegrityError:
+        except IntegrityError as exc:
+            handlers_own(exc)  # the handler's failure, not taskonce's (taskonce.record)
             raise
         except DatabaseError as exc:
             raise StoreUnavailable(

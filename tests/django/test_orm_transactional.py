@@ -267,3 +267,34 @@ def test_an_eager_copy_that_lost_its_claim_rolls_its_rows_back(alias: str, make_
 
     assert Payment.objects.using(alias).get(order_id=order.pk).message_id == "b"
     assert "lease_lost" in events.names() and "lease_taken_over" in events.names()
+
+
+def test_the_key_inside_and_a_rollback_only_commit_stays_the_handlers_failure(
+    alias: str, make_guard: Any
+) -> None:
+    """``taskonce.current_key()`` inside a handler of the Django app's guard; and, through the
+    adapters' :func:`taskonce.action.after`, Django's refusal to commit a transaction the
+    handler broke is the handler's failure (``RAISE``), not an internal error of taskonce's
+    (which would back off and run it again and again)."""
+    import taskonce
+    from taskonce.action import Do, after, before
+
+    guard = make_guard(mode="eager")
+    assert guard.run("m1", "pay", taskonce.current_key).value == "pay:m1"
+    if alias == "sqlite":
+        pytest.skip("SQLite keeps the transaction usable after a constraint error")
+    from django.db import IntegrityError
+    from django.db.transaction import TransactionManagementError
+
+    from tests.django_project.shop.models import Order
+
+    order = new_order(alias)
+    action = before(guard, lambda: Delivery("m2", "pay"))
+    assert action.do is Do.RUN and action.ticket is not None
+    try:
+        Order.objects.using(alias).create(ref=order.ref)  # unique: fails, swallowed
+    except IntegrityError:
+        pass
+    done = after(guard, action.ticket, None)
+    assert done.do is Do.RAISE and isinstance(done.error, TransactionManagementError)
+    assert guard.store.get("pay:m2") is None  # released: the retry runs it
