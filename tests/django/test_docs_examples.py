@@ -142,3 +142,32 @@ def test_the_dramatiq_examples_actor_charges_once(django_project: str) -> None:
     order = new_order("docs", cents=500)
     assert_runs_once(actors.charge, (order.pk,))
     assert payments(order.ref) == 1
+
+
+# -- docs/web-requests.md: the common bug, the control of send_on_commit() -------------------------
+
+
+def test_the_common_bug_loses_the_charge_when_the_broker_is_down(django_project: str) -> None:
+    """The page's second spelling of the common bug: sent from ``on_commit``, a broker that is
+    down at the commit loses the charge — the order is committed, and nothing is left to send it
+    (``send_on_commit()`` keeps it as a row for the relay: tests/django/test_views.py)."""
+    from django.db import transaction
+    from kombu.exceptions import OperationalError
+
+    from tests.django.conftest import new_ref, order_exists
+    from tests.django_project.shop.models import Order
+
+    app = Celery("common-bug", broker="redis://127.0.0.1:1/0", set_as_current=False)  # nothing there
+    app.conf.update(broker_connection_retry=False, task_publish_retry=False)
+
+    @app.task(shared=False)
+    def charge(order_id: int) -> None: ...
+
+    ref = new_ref("bug")
+    try:
+        with pytest.raises(OperationalError), transaction.atomic():
+            order = Order.objects.create(ref=ref)
+            transaction.on_commit(lambda: charge.delay(order.id))
+        assert order_exists(ref)  # committed; the charge is gone for good
+    finally:
+        app.close()
