@@ -9,13 +9,37 @@ Snippets: every fenced block in README.md and docs/ (every page of the site, sub
 whose info string is exactly ``python`` runs, **each as its own Python program** (a fresh
 interpreter, nothing shared with the other blocks) in a fresh temporary working directory, so
 relative paths such as ``sqlite:///taskonce.db`` or ``events.jsonl`` land there and vanish. A block must succeed (exit
-status 0) within ``SNIPPET_TIMEOUT`` seconds. Blocks that need something the test cannot
-provide (a running worker, your own app module, a cluster) use the info string
-``python no-run``: they are only compiled. Any other info string starting with ``python`` is
-an error, so a typo cannot silently skip a block. Snippets may use ``memory://``, SQLite in
-the working directory, or the local services (Redis db 15, PostgreSQL ``test``) with names of
-their own, and must clean up what they create there. Shell commands use ``sh``, output
-``text``. CONTRIBUTING.md repeats this convention for writers.
+status 0) within ``SNIPPET_TIMEOUT`` seconds. Snippets may use ``memory://``, SQLite in the
+working directory, or the local services (Redis db 15, PostgreSQL ``test``) with names of their
+own, and must clean up what they create there. Any other info string starting with ``python``
+than ``python`` and ``python no-run`` is an error, so a typo cannot silently skip a block.
+Shell commands use ``sh``, output ``text`` (not checked here).
+
+No-run blocks: a block that needs something this test cannot provide (a running worker, the
+user's own app module or project, a cluster) uses the info string ``python no-run``. It is
+compiled, and **the suite must run its lines**: the line right before its opening fence is an
+HTML comment naming the file(s) of the suite that do (invisible on GitHub and on the site)::
+
+    <!-- tested in: tests/django_project/celery.py, tests/django_project/shop/docs_tasks.py -->
+
+The files are Python files under ``tests/`` that the suite runs (a test module, or a module or
+script a test imports or starts). The block's lines must be the files' lines, by this rule
+(:func:`code_lines`, :func:`first_line_not_in`):
+
+- Both sides are cut into physical lines; from each, a comment (``#`` to the end of the line,
+  found by Python's tokenizer, so a ``#`` inside a string stays) is removed, then the
+  surrounding white space (indentation does not count: a block's top-level lines may sit in a
+  test function).
+- Lines left empty (blank lines, comment-only lines) do not count, and neither does a line
+  holding the placeholder ``...`` (the Ellipsis token: ``...`` alone, ``Order(...)``,
+  ``[..., "app"]``, ``def f(): ...``) — the reader fills those in.
+- Every other line of the block must equal a line of the files, taken in the order the marker
+  names them as one text, **in the block's order**; the files may have more lines before,
+  between and after (imports, a fixture, the test's assertions).
+
+A no-run block without the marker, or whose line is missing, fails with what to add. So a
+snippet and the code that proves it cannot drift apart: change one, and this test says which
+line the other lacks. CONTRIBUTING.md repeats this convention for writers.
 """
 
 from __future__ import annotations
