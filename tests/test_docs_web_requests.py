@@ -5,6 +5,7 @@ a rolled-back order sends nothing."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ from celery.signals import before_task_publish
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import taskonce
+from taskonce import guard as guard_module
 from taskonce.celery_ext import IdempotentTask, setup
 
 
@@ -29,8 +31,13 @@ class Order(Base):
 
 @pytest.fixture(scope="module")
 def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, sa.Engine, list[Any]]]:
-    """One guard for the module, as an application has (``send_on_commit`` finds it)."""
+    """One guard for the module, as an application has (``send_on_commit`` finds it): the
+    guards other tests of this process left registered are set aside meanwhile."""
     url = f"sqlite:///{tmp_path_factory.mktemp('web') / 'shop.db'}"
+    gc.collect()
+    others = list(guard_module.publishing_guards())
+    for other in others:
+        guard_module._PUBLISHING.discard(other)
     guard = taskonce.Guard(taskonce.open_store(url))
     app = Celery("web-requests-doc", broker="memory://", set_as_current=False)
     setup(app, guard)
@@ -53,6 +60,7 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, sa.Eng
         engine.dispose()
         guard.close()
         app.close()
+        guard_module._PUBLISHING.update(others)
 
 
 def test_the_message_leaves_after_the_commit(shop: tuple[Any, sa.Engine, list[Any]]) -> None:
