@@ -373,6 +373,18 @@ def test_no_run_snippet_is_the_suites_code(block: Block) -> None:
     assert problem is None, problem
 
 
+def test_only_no_run_blocks_carry_the_marker() -> None:
+    """A ``tested in`` marker before a block that runs (or is not Python) is a leftover: the
+    block is not compared with the files it names."""
+    stray = [
+        f"{b.id}: {b.info!r}"
+        for page in snippet_pages()
+        for b in blocks_of(page)
+        if suite_files(b) and b.info != "python no-run"
+    ]
+    assert not stray, "remove the <!-- tested in: … --> line before:\n" + "\n".join(stray)
+
+
 def test_no_run_checker_catches_what_it_must(tmp_path: Path) -> None:
     """The rule itself: comments, blank lines, placeholder lines and indentation do not count;
     every other line must be in the files, in the block's order, other lines between."""
