@@ -9,24 +9,50 @@ Snippets: every fenced block in README.md and docs/ (every page of the site, sub
 whose info string is exactly ``python`` runs, **each as its own Python program** (a fresh
 interpreter, nothing shared with the other blocks) in a fresh temporary working directory, so
 relative paths such as ``sqlite:///taskonce.db`` or ``events.jsonl`` land there and vanish. A block must succeed (exit
-status 0) within ``SNIPPET_TIMEOUT`` seconds. Blocks that need something the test cannot
-provide (a running worker, your own app module, a cluster) use the info string
-``python no-run``: they are only compiled. Any other info string starting with ``python`` is
-an error, so a typo cannot silently skip a block. Snippets may use ``memory://``, SQLite in
-the working directory, or the local services (Redis db 15, PostgreSQL ``test``) with names of
-their own, and must clean up what they create there. Shell commands use ``sh``, output
-``text``. CONTRIBUTING.md repeats this convention for writers.
+status 0) within ``SNIPPET_TIMEOUT`` seconds. Snippets may use ``memory://``, SQLite in the
+working directory, or the local services (Redis db 15, PostgreSQL ``test``) with names of their
+own, and must clean up what they create there. Any other info string starting with ``python``
+than ``python`` and ``python no-run`` is an error, so a typo cannot silently skip a block.
+Shell commands use ``sh``, output ``text`` (not checked here).
+
+No-run blocks: a block that needs something this test cannot provide (a running worker, the
+user's own app module or project, a cluster) uses the info string ``python no-run``. It is
+compiled, and **the suite must run its lines**: the line right before its opening fence is an
+HTML comment naming the file(s) of the suite that do (invisible on GitHub and on the site)::
+
+    <!-- tested in: tests/django_project/celery.py, tests/django_project/shop/docs_tasks.py -->
+
+The files are Python files under ``tests/`` that the suite runs (a test module, or a module or
+script a test imports or starts). The block's lines must be the files' lines, by this rule
+(:func:`code_lines`, :func:`first_line_not_in`):
+
+- Both sides are cut into physical lines; from each, a comment (``#`` to the end of the line,
+  found by Python's tokenizer, so a ``#`` inside a string stays) is removed, then the
+  surrounding white space (indentation does not count: a block's top-level lines may sit in a
+  test function).
+- Lines left empty (blank lines, comment-only lines) do not count, and neither does a line
+  holding the placeholder ``...`` (the Ellipsis token: ``...`` alone, ``Order(...)``,
+  ``[..., "app"]``, ``def f(): ...``) — the reader fills those in.
+- Every other line of the block must equal a line of the files, taken in the order the marker
+  names them as one text, **in the block's order**; the files may have more lines before,
+  between and after (imports, a fixture, the test's assertions).
+
+A no-run block without the marker, or whose line is missing, fails with what to add. So a
+snippet and the code that proves it cannot drift apart: change one, and this test says which
+line the other lacks. CONTRIBUTING.md repeats this convention for writers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import io
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tokenize
 import unicodedata
 from functools import cache
 from pathlib import Path
@@ -70,10 +96,11 @@ class Block:
     line: int  # 1-based line of the opening fence
     info: str
     source: str
+    before: str = ""  # the line right before the opening fence
 
     @property
     def id(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}"
+        return f"{shown(self.path)}:{self.line}"
 
 
 def split(text: str) -> tuple[list[tuple[int, str]], list[Block]]:
@@ -98,7 +125,10 @@ def split(text: str) -> tuple[list[tuple[int, str]], list[Block]]:
                     break
             body.append(lines[j])
             j += 1
-        blocks.append(Block(Path(), i + 1, opening["info"].strip(), "\n".join(body) + "\n"))
+        before = lines[i - 1] if i else ""
+        blocks.append(
+            Block(Path(), i + 1, opening["info"].strip(), "\n".join(body) + "\n", before)
+        )
         i = j + 1
     return prose, blocks
 
@@ -254,11 +284,140 @@ def test_python_blocks_use_a_known_info_string() -> None:
     assert not unknown, "use ```python or ```python no-run:\n" + "\n".join(unknown)
 
 
+#: The line right before a ``python no-run`` block's fence: the suite files that run its lines.
+TESTED_IN = re.compile(r"^<!-- tested in: (?P<files>[^<>]+?) -->$")
+
+
+def code_lines(source: str, name: str) -> list[tuple[int, str]]:
+    """The lines of Python ``source`` that count when a no-run block is compared with the suite:
+    each physical line with its comment cut off and stripped, without the blank ones and those
+    holding the placeholder ``...`` (the Ellipsis token, not ``...`` inside a string), each
+    with its 1-based number. ``name`` says where ``source`` comes from, for the error."""
+    comment_at: dict[int, int] = {}
+    placeholders: set[int] = set()
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type == tokenize.COMMENT:
+                comment_at[token.start[0]] = token.start[1]
+            elif token.type == tokenize.OP and token.string == "...":
+                placeholders.add(token.start[0])
+    except (tokenize.TokenError, SyntaxError) as exc:
+        raise ValueError(f"{name} is not Python that tokenizes: {exc}") from exc
+    kept = []
+    for number, line in enumerate(source.splitlines(), 1):
+        text = line[: comment_at.get(number, len(line))].strip()
+        if text and number not in placeholders:
+            kept.append((number, text))
+    return kept
+
+
+def suite_files(block: Block) -> list[Path]:
+    """The files named by the block's ``<!-- tested in: … -->`` marker (``[]``: none)."""
+    marker = TESTED_IN.match(block.before.strip())
+    if not marker:
+        return []
+    return [ROOT / name.strip() for name in marker["files"].split(",") if name.strip()]
+
+
+def shown(path: Path) -> str:
+    """``path`` as the messages name it: relative to the repository when inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def first_line_not_in(block: Block, files: list[Path]) -> str | None:
+    """Why the block's lines are not the files' (the first one missing), or None: every line of
+    :func:`code_lines` of the block equals one of the files' (taken in the order named, as one
+    text), in the same order; the files may have more lines before, between and after."""
+    have = [
+        text
+        for path in files
+        for _, text in code_lines(path.read_text(encoding="utf-8"), shown(path))
+    ]
+    position = 0
+    for number, text in code_lines(block.source, block.id):
+        while position < len(have) and have[position] != text:
+            position += 1
+        if position == len(have):
+            names = ", ".join(shown(p) for p in files)
+            return (
+                f"{shown(block.path)}:{block.line + number}: `{text}` is not in {names} "
+                "(after the lines of the block before it)"
+            )
+        position += 1
+    return None
+
+
+NO_RUN_HELP = (
+    "a ```python no-run block is not run by the tests, so the suite must run the same lines: "
+    "put `<!-- tested in: tests/FILE.py -->` on the line right before its fence, naming the "
+    "file(s) of the suite that use them (several: comma-separated, in the block's order), or "
+    "make it a ```python block that runs as it is"
+)
+
+
 @pytest.mark.parametrize(
     "block", [b for b in python_blocks() if b.info == "python no-run"], ids=lambda b: b.id
 )
-def test_no_run_snippet_compiles(block: Block) -> None:
+def test_no_run_snippet_is_the_suites_code(block: Block) -> None:
+    """A block that cannot run here (it needs a worker, the user's app) compiles, and its lines
+    are those of suite files that do run: see :func:`code_lines` and :func:`first_line_not_in`."""
     compile(block.source, block.id, "exec")
+    files = suite_files(block)
+    assert files, f"{block.id}: {NO_RUN_HELP}"
+    for path in files:
+        assert path.is_file(), f"{block.id}: tested in {path.relative_to(ROOT)}: no such file"
+        assert path.suffix == ".py" and path.is_relative_to(ROOT / "tests"), (
+            f"{block.id}: tested in {path.relative_to(ROOT)}: name a Python file under tests/"
+        )
+    problem = first_line_not_in(block, files)
+    assert problem is None, problem
+
+
+def test_only_no_run_blocks_carry_the_marker() -> None:
+    """A ``tested in`` marker before a block that runs (or is not Python) is a leftover: the
+    block is not compared with the files it names."""
+    stray = [
+        f"{b.id}: {b.info!r}"
+        for page in snippet_pages()
+        for b in blocks_of(page)
+        if suite_files(b) and b.info != "python no-run"
+    ]
+    assert not stray, "remove the <!-- tested in: … --> line before:\n" + "\n".join(stray)
+
+
+def test_no_run_checker_catches_what_it_must(tmp_path: Path) -> None:
+    """The rule itself: comments, blank lines, placeholder lines and indentation do not count;
+    every other line must be in the files, in the block's order, other lines between."""
+    assert code_lines("a = 1  # one\n\n  # only\nf(...)\n...\nb = '...'  # '#'\n", "x") == [
+        (1, "a = 1"),
+        (6, "b = '...'"),
+    ]
+    with pytest.raises(ValueError, match="not Python that tokenizes"):
+        code_lines("f(\n", "broken.md")
+    first = tmp_path / "first.py"
+    first.write_text("import os\n\ndef setup():\n    app = make(  # the real one\n        1)\n")
+    second = tmp_path / "second.py"
+    second.write_text("log()\nrun(app)\n")
+
+    def block(source: str, before: str = "") -> Block:
+        return Block(tmp_path / "page.md", 10, "python no-run", source, before)
+
+    same = "# app.py\napp = make(   # comment\n    ...,\n1)\n\nrun(app)   # then\n"
+    assert first_line_not_in(block(same), [first, second]) is None
+    assert first_line_not_in(block("import os\n"), [first, second]) is None
+    swapped = first_line_not_in(block("run(app)\napp = make(\n1)\n"), [first, second])
+    assert swapped == (
+        f"{tmp_path / 'page.md'}:12: `app = make(` is not in {first}, {second} "
+        "(after the lines of the block before it)"
+    )
+    assert first_line_not_in(block("run(app)\n"), [second, first]) is None
+    assert "`run(app, 2)`" in (first_line_not_in(block("run(app, 2)\n"), [second]) or "")
+    assert suite_files(block("x\n", "<!-- tested in: tests/a.py, tests/b.py -->")) == [
+        ROOT / "tests" / "a.py",
+        ROOT / "tests" / "b.py",
+    ]
+    assert suite_files(block("x\n", "<!-- tested: tests/a.py -->")) == []
+    assert suite_files(block("x\n", "")) == []
 
 
 @pytest.mark.parametrize(

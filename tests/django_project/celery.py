@@ -3,7 +3,8 @@
     celery -A tests.django_project.celery worker -P prefork
 
 Settings come from Django's (``CELERY_*``); the guard from ``settings.TASKONCE``. Tasks are
-in ``shop/tasks.py`` (found by ``autodiscover_tasks``).
+in ``shop/tasks.py`` (found by ``autodiscover_tasks``). The lines are those of
+docs/django.md's Celery example (tests/test_docs.py checks they are the same).
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import os
 
 from celery import Celery
 
+import taskonce.django_ext
 from taskonce.celery_ext import setup
-from taskonce.django_ext import guard
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.django_project.settings")
 
-app = Celery("django_project")
+app = Celery("proj")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
-setup(app, guard())
+setup(app, taskonce.django_ext.guard())

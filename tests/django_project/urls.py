@@ -8,4 +8,5 @@ from tests.django_project.shop import views
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("shop/orders/", views.place_order, name="place-order"),
+    path("checkout/", views.checkout, name="checkout"),
 ]

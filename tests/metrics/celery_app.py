@@ -4,7 +4,9 @@ Configured by environment: ``MX_BROKER`` (Redis broker URL), ``MX_PREFIX`` (queu
 ``{prefix}.q`` and the broker's key prefix), ``MX_STORE`` / ``MX_STORE_NS`` (Redis store and
 its prefix), ``MX_READY`` (file written when the worker is ready). ``PROMETHEUS_MULTIPROC_DIR``
 must be set too: every pool process writes its metrics there. The guard also has a sink that
-raises on every event, which must change nothing.
+raises on every event, which must change nothing. ``MX_SERVE=1``: the worker's main process
+serves ``/metrics`` on port 9808, with docs/operations.md's lines (tests/test_docs.py checks they
+are the same).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ app.conf.update(
 )
 metrics = taskonce.PrometheusEvents()
 store = metrics.time_store(taskonce.open_store(ENV["MX_STORE"], prefix=ENV["MX_STORE_NS"]))
-setup(app, taskonce.Guard(store, events=[RaisingSink(), metrics]))
+guard = taskonce.Guard(store, events=[RaisingSink(), metrics])
+setup(app, guard)
 _runs = redis.Redis.from_url(ENV["MX_STORE"])
 
 
@@ -46,3 +49,13 @@ def work(n: int) -> int:
 @signals.worker_ready.connect
 def _ready(**_: Any) -> None:
     Path(ENV["MX_READY"]).write_text("ready")
+
+
+if ENV.get("MX_SERVE"):
+    from celery import signals
+
+    from taskonce.prometheus_events import serve
+
+    @signals.worker_init.connect
+    def expose_metrics(**_):
+        serve(9808, store=guard.store)

@@ -46,3 +46,6 @@ def settle(self: Any, order_id: int, **test: Any) -> None:
     """Charge the order once this run's transaction commits."""
     with rehearsal(self.request.id, **test):
         charge.delay_on_commit(order_id)
+
+
+from . import docs_tasks  # noqa: E402, F401  (docs/django.md's task, for the workers)

@@ -16,16 +16,21 @@
 
 Answers ``{"order": id, "sent": [message ids]}`` (the ids the sends got inside the block;
 none for ``delay_on_commit``, which returns nothing).
+
+``POST /checkout/``: docs/django.md's view, as the page has it (tests/test_docs.py checks the
+lines are the same): an order and its charge sent on commit, then a redirect to the order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from typing import Any
 
 from django.db import transaction
 from django.http import HttpRequest, JsonResponse
+from django.shortcuts import redirect
 
 from taskonce.django_ext import send_on_commit
 
@@ -75,3 +80,12 @@ def place_order(request: HttpRequest) -> JsonResponse:
         if fate == "rollback":
             transaction.set_rollback(True)
     return JsonResponse({"order": order.pk, "sent": sent})
+
+
+def checkout(request):  # the page's lines, as a user writes them
+    from .tasks import charge
+
+    with transaction.atomic(), send_on_commit():
+        order = Order.objects.create(ref=f"checkout-{uuid.uuid4().hex[:12]}", cents=500)
+        charge.delay(order.pk)
+    return redirect(order)

@@ -1,0 +1,1 @@
+"""The user's application of the docs' examples (see ``tests/docs_apps``)."""
