@@ -112,6 +112,10 @@ class Capture:
 
     __slots__ = ("limit", "parent_key", "sends", "size", "task", "texts", "within")
 
+    #: A test's capture (:func:`taskonce.testing.captured_sends`): a producer outbox block
+    #: (``send_on_commit()``) inside it hands its sends to it instead of writing them.
+    for_test = False
+
     def __init__(
         self,
         parent_key: str,
