@@ -244,8 +244,9 @@ def captured_sends() -> Iterator[list[CapturedSend]]:
     published. The hand-off's own capture does it, so the app or broker must have a guard
     (``setup(app, guard)``; ``IdempotencyMiddleware(guard)``): without one, sends leave as
     usual. Sends made in a ``send_on_commit()`` block inside it (Django's or SQLAlchemy's) are
-    captured the same way: no outbox row is written and nothing is published at the commit. Celery's ``task_always_eager`` runs ``delay`` in place instead of sending. Arguments
-    that JSON cannot store raise :class:`~taskonce.SendRefused`, as in a guarded handler."""
+    captured the same way: no outbox row is written and nothing is published at the commit.
+    Celery's ``task_always_eager`` runs ``delay`` in place instead of sending. Arguments that
+    JSON cannot store raise :class:`~taskonce.SendRefused`, as in a guarded handler."""
     found: list[CapturedSend] = []
     with handoff.capturing(_Collecting(found)):
         yield found

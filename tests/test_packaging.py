@@ -5,8 +5,9 @@ by the Makefile."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,6 +33,6 @@ def test_every_folder_with_files_is_a_listed_package() -> None:
 def test_the_install_filters_setuptools_editable_note() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert (
-        "PYTHONWARNINGS=\"ignore:Editable installation:UserWarning\" $(PY) -m pip install "
+        'PYTHONWARNINGS="ignore:Editable installation:UserWarning" $(PY) -m pip install '
         "--quiet -e '.[all,dev]'"
     ) in makefile

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 import taskonce
-
 from taskonce.cli import main as taskonce_main
 from tests.django.ops_fixtures import (
     CLAIMED,

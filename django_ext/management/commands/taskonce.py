@@ -2,12 +2,12 @@
 verbs on the project's store (``settings.TASKONCE["STORE"]``).
 
 The verbs run :func:`taskonce.cli.main` itself: the same options (``--store URL`` names another
-store than the project's; ``relay`` refuses it), the same output and the same exit statuses (:mod:`taskonce.exits`: 0 done,
-1 no live record for KEY, 2 could not run as asked, 70 a bug). ``relay`` publishes through the
-project's guard (:func:`taskonce.django_ext.guard`) with the publishers the project registered
-on it (Celery's ``setup(app, guard())``, the Dramatiq middleware of ``DRAMATIQ_BROKER``), or
-through the app or broker named by ``--celery-app`` / ``--dramatiq-broker`` as ``taskonce
-relay`` does.
+store than the project's; ``relay`` refuses it), the same output and the same exit statuses
+(:mod:`taskonce.exits`: 0 done, 1 no live record for KEY, 2 could not run as asked, 70 a bug).
+``relay`` publishes through the project's guard (:func:`taskonce.django_ext.guard`) with the
+publishers the project registered on it (Celery's ``setup(app, guard())``, the Dramatiq
+middleware of ``DRAMATIQ_BROKER``), or through the app or broker named by ``--celery-app`` /
+``--dramatiq-broker`` as ``taskonce relay`` does.
 
 Django's own options (``--settings``, ``--pythonpath``, ``-v``) go before the verb; the verb's
 options after it (``manage.py taskonce inspect --help`` lists them).
