@@ -139,3 +139,36 @@ def test_the_docs_django_test_example_passes_under_pytest_django(tmp_path: Path)
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 passed" in done.stdout
+
+
+DRAMATIQ_SETTINGS = """\
+SECRET_KEY = "layout-tests-only"
+DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": "db.sqlite3"}}
+INSTALLED_APPS = ["django_dramatiq", "taskonce.django_ext"]
+TASKONCE = {"DEFALT": {"mode": "eager"}}
+DRAMATIQ_BROKER = {
+    "BROKER": "dramatiq.brokers.stub.StubBroker",
+    "OPTIONS": {},
+    "MIDDLEWARE": ["dramatiq.middleware.Retries", "taskonce.django_ext.IdempotencyMiddleware"],
+}
+"""
+
+
+def test_with_django_dramatiq_the_check_reports_and_rundramatiq_refuses(tmp_path: Path) -> None:
+    """django_dramatiq builds the broker, with taskonce's middleware, while Django sets up."""
+    from tests.django.layout_project import MANAGE
+
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "__init__.py").write_text("")
+    (tmp_path / "proj" / "settings.py").write_text(DRAMATIQ_SETTINGS)
+    (tmp_path / "manage.py").write_text(MANAGE)
+    check = run(tmp_path, "manage.py", "check")
+    assert check.returncode == 1
+    assert "?: (taskonce.E001) settings.TASKONCE has no setting 'DEFALT'" in check.stderr
+    assert "Traceback" not in check.stdout + check.stderr
+    workers = run(tmp_path, "manage.py", "rundramatiq", "--processes", "1", "--threads", "1")
+    assert workers.returncode == EXIT_CONFIG, workers.stdout + workers.stderr
+    assert (
+        "taskonce: settings.TASKONCE has no setting 'DEFALT' (did you mean 'DEFAULT'?)"
+    ) in workers.stderr
+    assert "the worker does not start" in workers.stderr
