@@ -11,10 +11,12 @@ TEST_PROCESSES ?= 3
 
 .PHONY: demo test lint typecheck docs bench install clean chaos chaos-all chaos-smoke compare spark-cluster
 
+# The install is quiet: setuptools' note "Editable installation" (printed on every editable
+# install of a package-dir layout such as this one, not a problem) is not shown.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[all,dev]'
+	PYTHONWARNINGS="ignore:Editable installation:UserWarning" $(PY) -m pip install --quiet -e '.[all,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

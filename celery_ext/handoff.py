@@ -279,13 +279,22 @@ def receipt_of(
     task = app.tasks.get(name)
     if not isinstance(task, IdempotentTask):
         return None
+    guard = guard_for(app)
     try:
-        policy = guard_for(app).policy_for(queue, task.idempotency)
+        policy = guard.policy_for(queue, task.idempotency)
     except ConfigError:
         return None  # the worker refuses it anyway
-    if not policy.enabled:
+    if not policy.enabled or handoff.local_broker_shared_store(
+        _broker_url(app), guard.store, FRAMEWORK
+    ):
         return None
     return Receipt(make_key(task_id, queue, policy.identity), policy.keep_for, _delay(options))
+
+
+def _broker_url(app: Any) -> str:
+    """The URL the app publishes to (``broker_write_url``, else ``broker_url``), "" if none."""
+    url = app.conf.broker_write_url or app.conf.broker_url
+    return url if isinstance(url, str) else ""
 
 
 def _delay(options: Mapping[str, Any]) -> float:

@@ -70,11 +70,12 @@ class PayloadMismatch(TaskonceError):
 
 class InProgressElsewhere(TaskonceError):
     """Another live owner holds the claim on this key; deliver again after ``retry_after``
-    seconds (the lease's remaining time by the store's clock)."""
+    seconds (when the guard looks again: the lease's remaining time or sooner, e.g. while
+    the owner's liveness is being checked — not necessarily the lease's end)."""
 
     def __init__(self, key: str, retry_after: float) -> None:
         super().__init__(
-            f"key {key!r} is being processed elsewhere; its lease ends in {retry_after:.1f}s"
+            f"key {key!r} is being processed elsewhere; deliver again in {retry_after:.1f} s"
         )
         self.key = key
         self.retry_after = retry_after

@@ -501,10 +501,15 @@ class Guard:
         return self.execute(Delivery(message_id, queue, task=task), fn, args, kwargs)
 
     def purge(self, batch: int = 1000) -> int:
-        """Delete expired marks and dead claims in batches; emits one ``purged`` event."""
+        """Delete expired marks and dead claims in batches; emits one ``purged`` event (its
+        ``count``: the records deleted; ``reason``: ``expired``)."""
         deleted = self.store.purge(batch)
         event = make_event(
-            Event.PURGED, lease_s=self.default.lease, keep_for_s=self.default.keep_for
+            Event.PURGED,
+            lease_s=self.default.lease,
+            keep_for_s=self.default.keep_for,
+            count=deleted,
+            reason="expired",
         )
         self.sinks.send(event)
         logger.info("purged %d expired record(s) from %s", deleted, self.store.describe())

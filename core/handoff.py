@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import dataclasses
 import json
+import logging
 import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,10 @@ from typing import TYPE_CHECKING, Any
 from taskonce.errors import ConfigError, SendRefused
 
 if TYPE_CHECKING:
+    from taskonce.stores.base import Store
     from taskonce.ticket import Ticket
+
+logger = logging.getLogger("taskonce")
 
 #: Default size limit of one handler's captured sends (JSON text, in bytes).
 DEFAULT_SEND_LIMIT = 1 << 20
@@ -87,6 +91,33 @@ Publisher = Callable[[Send], "Receipt | None"]
 :class:`Receipt` when its receiver is guarded on the same store, else None (nothing to await)."""
 
 
+#: Brokers that live inside one process (Celery's ``memory://``, Dramatiq's ``StubBroker``).
+_LOCAL_BROKERS = ("memory://", "stub://")
+_told_local: set[str] = set()
+
+
+def local_broker_shared_store(broker_url: str, store: Store, framework: str) -> bool:
+    """Whether sends published to ``broker_url`` must await no receipt: the broker lives in
+    this process only (``memory://``, e.g. a shell's override; Dramatiq's StubBroker) while
+    the store is one other processes share. A relay elsewhere would otherwise find no receipt
+    and publish the send again into *its* broker, where it would run for real. Said once per
+    framework (INFO)."""
+    from taskonce.stores.memory import MemoryStore
+
+    if not broker_url.startswith(_LOCAL_BROKERS) or isinstance(store, MemoryStore):
+        return False
+    if framework not in _told_local:
+        _told_local.add(framework)
+        logger.info(
+            "%s sends go to the in-process broker %s: they await no receipt in %s, so no relay "
+            "publishes them again into another broker",
+            framework,
+            broker_url.split("//", 1)[0] + "//",
+            store.describe(),
+        )
+    return True
+
+
 def id_base(key: str, replaced: int = 0) -> str:
     """What the ids of a handler's sends derive from (:func:`derive_id`): its key, and for a
     message that replaces an earlier task of the same id (Celery's ``self.replace()``, ``replaced``
@@ -111,6 +142,10 @@ class Capture:
     """
 
     __slots__ = ("limit", "parent_key", "sends", "size", "task", "texts", "within")
+
+    #: A test's capture (:func:`taskonce.testing.captured_sends`): a producer outbox block
+    #: (``send_on_commit()``) inside it hands its sends to it instead of writing them.
+    for_test = False
 
     def __init__(
         self,

@@ -217,6 +217,7 @@ class _Collecting(handoff.Capture):
     """A capture that also lists each send in readable form as it is made."""
 
     __slots__ = ("found",)
+    for_test = True
 
     def __init__(self, found: list[CapturedSend]) -> None:
         super().__init__(f"taskonce-testing:{uuid.uuid4().hex}", "captured_sends()")
@@ -242,8 +243,10 @@ def captured_sends() -> Iterator[list[CapturedSend]]:
     ``broker.enqueue``) is captured and listed in ``sent`` (:class:`CapturedSend`), never
     published. The hand-off's own capture does it, so the app or broker must have a guard
     (``setup(app, guard)``; ``IdempotencyMiddleware(guard)``): without one, sends leave as
-    usual. Celery's ``task_always_eager`` runs ``delay`` in place instead of sending. Arguments
-    that JSON cannot store raise :class:`~taskonce.SendRefused`, as in a guarded handler."""
+    usual. Sends made in a ``send_on_commit()`` block inside it (Django's or SQLAlchemy's) are
+    captured the same way: no outbox row is written and nothing is published at the commit.
+    Celery's ``task_always_eager`` runs ``delay`` in place instead of sending. Arguments that
+    JSON cannot store raise :class:`~taskonce.SendRefused`, as in a guarded handler."""
     found: list[CapturedSend] = []
     with handoff.capturing(_Collecting(found)):
         yield found

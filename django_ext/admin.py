@@ -27,6 +27,7 @@ from django.template.response import TemplateResponse
 
 from taskonce.errors import ConfigError, TaskonceError
 from taskonce.keys import _escape_queue
+from taskonce.receipts import RECEIVED_SUFFIX
 
 from .models import Record, WorkerSeen
 
@@ -189,13 +190,23 @@ def release_selected(
     )
 
 
+def readable_worker(text: str | None) -> str:
+    """A worker identity (``host/ns/pid/start``) as ``host pid 1234``; other text as it is."""
+    from taskonce.worker import Identity
+
+    identity = Identity.parse(text)
+    if identity is None:
+        return text or "-"
+    return f"{identity.host} pid {identity.pid}"
+
+
 @admin.register(Record)
 class RecordAdmin(_ReadOnly):
     """The store's records: key, queue, state, worker, times; the release action."""
 
-    list_display = ("key", "queue", "state", "worker", "created", "expires")
+    list_display = ("key", "queue", "state", "worker_name", "created", "expires")
     list_filter = (QueueFilter, StateFilter)
-    search_fields = ("key",)
+    search_fields = ("key", "worker")  # a worker by its host name or pid, too
     actions: Sequence[Any] = (release_selected,)
     fields = readonly_fields = (
         "key",
@@ -269,6 +280,18 @@ class RecordAdmin(_ReadOnly):
         if given_up:
             parts.append(f"{given_up} never received")
         return "; ".join(parts) or "-"
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        # Not the receipts' markers (``<key>\x1freceived``, taskonce.receipts): bookkeeping of
+        # the relay, not records of handled messages.
+        return super().get_queryset(request).exclude(key__endswith=RECEIVED_SUFFIX)
+
+    @_display(description="worker", ordering="worker")
+    def worker_name(self, record: Record) -> str:
+        """``HOST pid PID`` of the worker identity (``TASKONCE_WORKER_ID`` where set, else the
+        host name, and the process): what Celery's node name (``celery@HOST``) and Dramatiq's
+        process list show; an identity taskonce cannot read as it is."""
+        return readable_worker(record.worker)
 
     def has_release_permission(self, request: HttpRequest) -> bool:
         """The release action's permission: ``taskonce.change_record``."""

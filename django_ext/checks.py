@@ -10,6 +10,10 @@
   its backend is not PostgreSQL, MySQL/MariaDB or SQLite);
 - ``taskonce.E005``: a policy is ``transactional`` and the store has no transaction to share
   (``redis://``, ``memory://``);
+- ``taskonce.E006``: the store's server answers that the URL's database does not exist;
+- ``taskonce.E007``: ``STORE`` is ``django://ALIAS`` and taskonce's migrations have not all run
+  on that database (not reported while ``migrate`` itself runs the checks, nor when the
+  database does not answer);
 - ``taskonce.W001``: a policy is ``transactional`` and the store is an SQL URL: only writes
   through ``taskonce.current_session()`` share the mark's transaction, not the ORM's;
 - ``taskonce.W002``: ``DRAMATIQ_BROKER["MIDDLEWARE"]`` lacks
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -39,6 +44,7 @@ from django.core.checks import CheckMessage, Error, Warning, register
 from taskonce.errors import ConfigError
 from taskonce.policy import Policies, Policy
 from taskonce.stores import open_store, redact
+from taskonce.stores.sql.connecting import missing_database
 
 logger = logging.getLogger("taskonce.django_ext")
 
@@ -361,6 +367,16 @@ def check_store_answers(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
         return []  # E003 says what is wrong with the URL
     except Exception as exc:
         logger.debug("store probe of %s failed", redact(url), exc_info=True)
+        missing = missing_database(exc)
+        if missing:
+            return [
+                Error(
+                    f"the store {redact(url)}: the server says {missing}",
+                    hint="create that database, or correct the database name in "
+                    'settings.TASKONCE["STORE"]; workers refuse to start until then',
+                    id="taskonce.E006",
+                )
+            ]
         return [
             Warning(
                 f"the store {redact(url)} did not answer within {PROBE_TIMEOUT:g} s "
@@ -373,7 +389,61 @@ def check_store_answers(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
     return []
 
 
+# -- E007: the migrations ran ------------------------------------------------------------------
+
+
+def check_migrations(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """E007: taskonce's migrations have all run on the database of a ``django://ALIAS`` store.
+
+    ``migrate`` runs the checks with its database (``databases``) before it applies them: not
+    reported there, nor by an in-process ``call_command("check", databases=…)``; ``manage.py
+    check --database …`` reports it. A database that does not answer (not created yet, a build
+    without one) is not reported: ``migrate`` says that itself."""
+    from django.db import DatabaseError
+
+    from taskonce.django_ext import conf
+
+    from .store.schema import unapplied_migrations
+
+    if databases is not None and sys.argv[1:2] != ["check"]:
+        return []
+    try:
+        url = conf.store_url()
+    except ConfigError:
+        return []  # E001 / E003
+    if _scheme(url) != "django":
+        return []
+    alias, _ = _django_alias(url)
+    if alias is None:
+        return []  # E004
+    try:
+        unapplied = unapplied_migrations(alias)
+    except DatabaseError:
+        logger.debug("could not read the migrations of database %r", alias, exc_info=True)
+        return []
+    if not unapplied:
+        return []
+    return [
+        Error(
+            f"taskonce's migration(s) {', '.join(unapplied)} have not run on database "
+            f"{alias!r}, where the store django://{alias} keeps its records",
+            hint=f"python manage.py migrate --database {alias}",
+            id="taskonce.E007",
+        )
+    ]
+
+
 register(check_settings, TAG)
 register(check_store_answers, TAG)
+register(check_migrations, TAG)
 
-__all__ = ["MIDDLEWARE_PATHS", "PROBE_TIMEOUT", "TAG", "check_settings", "check_store_answers"]
+__all__ = [
+    "MIDDLEWARE_PATHS",
+    "PROBE_TIMEOUT",
+    "TAG",
+    "check_migrations",
+    "check_settings",
+    "check_store_answers",
+]

@@ -19,6 +19,9 @@ Every key is optional. :func:`guard` builds the guard once per process (again af
 from __future__ import annotations
 
 import difflib
+import logging
+import os
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -120,8 +123,63 @@ def guard() -> Guard:
                 _guard = build_guard()
             except ConfigError as exc:
                 _refuse_if_worker(exc)
+                if _django_setting_up():
+                    return _stand_in(exc)
                 raise
         return _guard
+
+
+def _django_setting_up() -> bool:
+    """Whether Django is still loading the settings or the apps: ``guard()`` then runs from
+    the import of the project's package (``proj/__init__.py`` importing ``proj/celery.py``,
+    Celery's Django layout), before any management command, check or request."""
+    from django.apps import apps
+
+    return not apps.ready
+
+
+def _stand_in(exc: ConfigError) -> Guard:
+    """The guard that stands in for one ``settings.TASKONCE`` cannot build, while Django sets
+    up a process that is no worker: raising there would kill every ``manage.py`` command
+    (``check`` included, which says what is wrong, as ``taskonce.E0…``) with a traceback."""
+    logging.getLogger("taskonce.django_ext").warning(
+        "taskonce: %s; the project's guard refuses every use (manage.py check says more)", exc
+    )
+    return UnconfiguredGuard(exc)
+
+
+#: What :class:`UnconfiguredGuard` lets through: what Celery's ``setup(app, guard)`` does at
+#: import (registering the app's publisher) and closing.
+_INERT = frozenset({"register_publisher", "close", "error"})
+
+
+class UnconfiguredGuard(Guard):
+    """A guard for settings that cannot make one: any use but registering a publisher or
+    closing raises the :class:`~taskonce.ConfigError` that building it raised, so nothing
+    runs or sends on a guard the settings do not describe.
+
+    :func:`guard` returns it only while Django sets up a process that is no worker (a worker
+    refuses to start instead); afterwards :func:`guard` raises the error itself."""
+
+    def __init__(self, error: ConfigError) -> None:  # builds nothing: there is nothing valid
+        object.__setattr__(self, "error", error)
+
+    def register_publisher(self, framework: str, publish: Any) -> None:
+        """Nothing: the error is raised at the guard's first use."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _INERT or (name.startswith("__") and name.endswith("__")):
+            return object.__getattribute__(self, name)
+        raise object.__getattribute__(self, "error")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise object.__getattribute__(self, "error")
+
+    def __repr__(self) -> str:
+        return f"<UnconfiguredGuard: {object.__getattribute__(self, 'error')}>"
 
 
 def reset() -> None:
@@ -135,16 +193,21 @@ def reset() -> None:
 
 
 def _refuse_if_worker(exc: ConfigError) -> None:
-    import logging
-    import os
-    import sys
-
     from taskonce.exits import refuse_start
 
     program = os.path.basename(sys.argv[0]) if sys.argv else ""
-    celery_worker = program == "celery" and "worker" in sys.argv[1:]
+    celery = program == "celery" or sys.argv[0].endswith(os.path.join("celery", "__main__.py"))
+    celery_worker = celery and "worker" in sys.argv[1:]
     if celery_worker or program in ("dramatiq", "rundramatiq") or "rundramatiq" in sys.argv[1:2]:
         refuse_start(exc, logging.getLogger("taskonce.django_ext"))
 
 
-__all__ = ["DEFAULTS", "build_guard", "guard", "open_configured_store", "read_settings", "reset"]
+__all__ = [
+    "DEFAULTS",
+    "UnconfiguredGuard",
+    "build_guard",
+    "guard",
+    "open_configured_store",
+    "read_settings",
+    "reset",
+]

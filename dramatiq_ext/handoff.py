@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dramatiq import Message, Middleware
+from dramatiq.brokers.stub import StubBroker
 
 from taskonce import handoff
 from taskonce.handoff import Receipt, Send
@@ -71,6 +72,10 @@ def install(broker: Broker, guard: Guard, receipt_of: ReceiptOf | None = None) -
             original = broker.enqueue
             setattr(broker, _ORIGINAL, original)
             broker.enqueue = functools.partial(_enqueue, original)  # type: ignore[method-assign]
+    if receipt_of is not None and handoff.local_broker_shared_store(
+        "stub://" if isinstance(broker, StubBroker) else "", guard.store, FRAMEWORK
+    ):
+        receipt_of = None
     guard.register_publisher(FRAMEWORK, publisher(original, receipt_of))
 
 

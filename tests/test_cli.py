@@ -60,6 +60,9 @@ def test_stats_inspect_release_purge_on_sqlite(tmp_path: Path) -> None:
     code, text = run("purge", "--store", url, "--json", "--events", str(events))
     assert code == 0 and json.loads(text) == {"deleted": 1}
     assert [e["event"] for e in taskonce.events.read_jsonl(events)] == ["purged"]
+    (purged,) = taskonce.events.read_jsonl(events)
+    assert (purged["count"], purged["reason"]) == (1, "expired")  # not None
+    assert purged["keep_for_s"] is not None and purged["worker"] is not None
     guard.close()
 
 

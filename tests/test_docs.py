@@ -37,6 +37,10 @@ script a test imports or starts). The block's lines must be the files' lines, by
   names them as one text, **in the block's order**; the files may have more lines before,
   between and after (imports, a fixture, the test's assertions).
 
+A block that a test reads from its page and runs as written (in a project the test lays out)
+says so instead: ``<!-- run from the page by: tests/django/test_layout.py -->``; that file must
+name the page and the block's first line (how it finds the block).
+
 A no-run block without the marker, or whose line is missing, fails with what to add. So a
 snippet and the code that proves it cannot drift apart: change one, and this test says which
 line the other lacks. CONTRIBUTING.md repeats this convention for writers.
@@ -286,6 +290,8 @@ def test_python_blocks_use_a_known_info_string() -> None:
 
 #: The line right before a ``python no-run`` block's fence: the suite files that run its lines.
 TESTED_IN = re.compile(r"^<!-- tested in: (?P<files>[^<>]+?) -->$")
+#: A block a test reads from its page and runs as written (e.g. in a project it lays out).
+RUN_FROM_PAGE = re.compile(r"^<!-- run from the page by: (?P<file>[^<>,]+?) -->$")
 
 
 def code_lines(source: str, name: str) -> list[tuple[int, str]]:
@@ -362,6 +368,18 @@ def test_no_run_snippet_is_the_suites_code(block: Block) -> None:
     """A block that cannot run here (it needs a worker, the user's app) compiles, and its lines
     are those of suite files that do run: see :func:`code_lines` and :func:`first_line_not_in`."""
     compile(block.source, block.id, "exec")
+    run_by = RUN_FROM_PAGE.match(block.before.strip())
+    if run_by:
+        # The test finds the block by the page's name and the block's first line, and runs it.
+        test = ROOT / run_by["file"].strip()
+        assert test.is_file() and test.is_relative_to(ROOT / "tests"), f"{block.id}: {test}"
+        first = block.source.splitlines()[0].strip()
+        text = test.read_text(encoding="utf-8")
+        page = block.id.split(":")[0].rsplit("/", 1)[-1]
+        assert page in text and repr(first)[1:-1] in text, (
+            f"{block.id}: {run_by['file']} does not read this block (by {page!r} and {first!r})"
+        )
+        return
     files = suite_files(block)
     assert files, f"{block.id}: {NO_RUN_HELP}"
     for path in files:

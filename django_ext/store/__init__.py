@@ -172,14 +172,23 @@ class DjangoStore(SQLStore):
             return create_tables(self._wrapper())
 
     def check_ready(self) -> None:
-        """:class:`ConfigError` when the store's table is missing: the migration has not run
-        on this database (at a worker's start: no wait mends that)."""
+        """:class:`ConfigError` when the store's table is missing or one of taskonce's
+        migrations has not run on this database (at a worker's start: no wait mends that)."""
+        from .schema import unapplied_migrations
+
         with self._errors("check_ready"):
             tables = self._wrapper().introspection.table_names()
+            unapplied = unapplied_migrations(self.alias) if DEFAULT_TABLE in tables else []
+        migrate = f"python manage.py migrate --database {self.alias}"
         if DEFAULT_TABLE not in tables:
             raise ConfigError(
                 f"store {self._redacted}: the table {DEFAULT_TABLE} does not exist in database "
-                f"{self.alias!r}; create it with: python manage.py migrate --database {self.alias}"
+                f"{self.alias!r}; create it with: {migrate}"
+            )
+        if unapplied:
+            raise ConfigError(
+                f"store {self._redacted}: taskonce's migration(s) {', '.join(unapplied)} have "
+                f"not run on database {self.alias!r}; apply them with: {migrate}"
             )
 
     def _after_fork(self) -> None:

@@ -112,3 +112,17 @@ def drop_tables(connection: Any, table: str = DEFAULT_TABLE) -> None:
 
 
 __all__ = ["add_columns", "create_tables", "drop_columns", "drop_tables", "table_ddl"]
+
+
+def unapplied_migrations(alias: str, app_label: str = "taskonce") -> list[str]:
+    """The migrations of taskonce's app (``app_label``) not applied yet on database ``alias``,
+    in order (``taskonce.0002_receipts``, …); one query of Django's migration table.
+
+    :raises django.db.DatabaseError: the database does not answer."""
+    from django.db import connections
+    from django.db.migrations.executor import MigrationExecutor
+
+    executor = MigrationExecutor(connections[alias])
+    targets = [node for node in executor.loader.graph.leaf_nodes() if node[0] == app_label]
+    plan = executor.migration_plan(targets)
+    return [f"{migration.app_label}.{migration.name}" for migration, _ in plan]

@@ -72,7 +72,7 @@ def test_the_list_shows_every_record_with_queue_state_and_dates(
     for state in ("in progress", "handled", "sends pending", "expired"):
         assert f'<td class="field-state">{state}</td>' in html
     assert '<td class="field-queue">payments</td>' in html
-    assert '<td class="field-worker">host:1:0</td>' in html
+    assert '<td class="field-worker_name">host:1:0</td>' in html
     record = store.get(CLAIMED)
     assert str(record.created_at) not in html  # a date, not seconds since the epoch
     assert time.strftime("%Y") in re.search(r'<td class="field-created[^>]*>([^<]+)<', html)[1]
@@ -174,3 +174,21 @@ def test_workers_seen(store: Any, users: dict[str, Any]) -> None:
     assert "host:9:0" in html
     assert 'alt="True"' in html  # alive
     assert "/admin/taskonce/workerseen/add/" not in html
+
+
+def test_receipt_markers_are_not_listed_and_workers_read_as_host_and_pid(
+    store: Any, users: dict[str, Any]
+) -> None:
+    from taskonce.receipts import received_key
+
+    put_records(store)
+    worker = "web-7/4026531836/4242/12345678"  # host/ns/pid/start, as a guard writes it
+    store.claim("payments:m-worker", "owner-3", 300.0, 3600.0, None, worker)
+    assert store.mark(received_key("payments:m-worker"), 3600.0, None, None)  # bookkeeping
+    c = client(users["admin"])
+    response = c.get(LIST)
+    assert listed(response) == sorted([*KEYS, "payments:m-worker"])  # no "…\x1freceived"
+    html = response.content.decode()
+    assert '<td class="field-worker_name">web-7 pid 4242</td>' in html
+    assert listed(c.get(LIST, {"q": "web-7"})) == ["payments:m-worker"]  # found by its host
+    assert listed(c.get(LIST, {"q": "received"})) == []

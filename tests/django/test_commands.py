@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import taskonce
 from taskonce.cli import main as taskonce_main
 from tests.django.ops_fixtures import (
     CLAIMED,
@@ -115,16 +116,38 @@ def test_bad_verbs_and_options_exit_2(store: Any) -> None:
     assert "the following arguments are required: verb" in run.stderr
     for verb in ("demo", "audit", "init-db", "bench"):  # the command's other verbs: not here
         assert django("taskonce", verb).returncode == 2
-    # the store is the project's: no --store
-    run = django("taskonce", "stats", "--store", "redis://127.0.0.1:6379/0")
+    # relay publishes with the project's guard: another store is refused, saying why
+    run = django("taskonce", "relay", "--store", "redis://127.0.0.1:6379/0")
     assert run.returncode == 2
-    assert "unrecognized arguments: --store" in run.stderr
+    assert (
+        "CommandError: manage.py taskonce relay publishes with the project's guard, whose store "
+        'is settings.TASKONCE["STORE"]: --store cannot name another; to relay the sends of '
+        "another store, run: taskonce relay --store URL --celery-app MODULE:app"
+    ) in run.stderr
     run = django("taskonce", "inspect")
     assert run.returncode == 2
     assert "taskonce inspect: error: the following arguments are required: KEY" in run.stderr
     # Django's own options may follow the verb too
     run = django("taskonce", "stats", "--settings", "tests.django_project.settings")
     assert run.returncode == 0, run.stderr
+
+
+def test_store_names_another_store_than_the_projects(store: Any, tmp_path: Path) -> None:
+    put_records(store)  # in the project's store, not in the one named
+    other = taskonce.open_store(f"sqlite:///{tmp_path / 'other.db'}")
+    try:
+        assert other.mark("jobs:m-1", 3600.0, None, None)
+    finally:
+        other.close()
+    for argv in (
+        ["--store", f"sqlite:///{tmp_path / 'other.db'}"],
+        [f"--store=sqlite:///{tmp_path / 'other.db'}"],
+    ):
+        run = django("taskonce", "inspect", "jobs:m-1", *argv)
+        assert run.returncode == 0, run.stderr
+        assert "jobs:m-1" in run.stdout and "marked" in run.stdout
+        run = django("taskonce", "inspect", HANDLED, *argv)
+        assert run.returncode == 1  # the project's record is not in that store
 
 
 def test_help_lists_the_verbs_options(store: Any) -> None:

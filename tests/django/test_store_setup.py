@@ -61,6 +61,47 @@ def test_a_worker_start_on_an_unmigrated_database_is_refused_at_once(tmp_path: P
     )
 
 
+def test_a_worker_start_with_a_migration_not_applied_is_refused_at_once(tmp_path: Path) -> None:
+    """The table is there (0001 ran) but a later migration did not: refused, naming it."""
+    result = run(
+        """
+        import time, django
+        from django.conf import settings
+        settings.configure(
+            DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": "half.db"}},
+            INSTALLED_APPS=["taskonce.django_ext"],
+        )
+        django.setup()
+        from django.core.management import call_command
+        call_command("migrate", "taskonce", "0001", verbosity=0)
+        from taskonce import ConfigError
+        from taskonce.django_ext import guard
+        started = time.monotonic()
+        try:
+            guard().wait_for_store(30)
+        except ConfigError as exc:
+            print(f"{time.monotonic() - started:.1f}", exc)
+        call_command("migrate", verbosity=0)
+        guard().wait_for_store(30)  # all applied: ready
+        print("ready")
+        """,
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    first, _, last = result.stdout.strip().partition("\n")
+    took, _, message = first.partition(" ")
+    assert float(took) < 5
+    # later migrations (if any) are named after it, in order
+    assert message.startswith(
+        "store django://default: taskonce's migration(s) taskonce.0002_receipts"
+    )
+    assert message.endswith(
+        " have not run on database 'default'; apply them with: python manage.py migrate "
+        "--database default"
+    )
+    assert last == "ready"
+
+
 def test_an_unknown_alias_and_a_malformed_url_are_config_errors() -> None:
     databases.setup_django()
     with pytest.raises(ConfigError, match=r"no database 'nope' in settings.DATABASES \(there: "):

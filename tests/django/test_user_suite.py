@@ -85,18 +85,3 @@ def test_a_django_users_suite_uses_the_helpers(
         "-q",
     )
     result.assert_outcomes(passed=3)
-
-
-def test_the_docs_test_example_runs_as_written(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """docs/django.md#testing's example, its lines as the page has them, under pytest-django."""
-    require_service("postgresql")
-    databases.setup_django()
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    example = Path(__file__).with_name("docs_testing_example.py").read_text(encoding="utf-8")
-    pytester.makepyfile(test_docs_example=example)
-    result = pytester.runpytest_subprocess(
-        "-p", "django", "--ds", databases.SETTINGS_MODULE, "-p", "no:cacheprovider", "-q", "-rxX"
-    )  # fmt: skip
-    result.assert_outcomes(passed=1, xfailed=1)

@@ -5,6 +5,7 @@ for the transactional mode) and what a forked child does with the parent's conne
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -170,6 +171,19 @@ def take_table(url: URL, family: str) -> tuple[URL, str | None]:
     return url.difference_update_query(["table"]), None if table is None else str(table)
 
 
+def missing_database(exc: BaseException) -> str:
+    """What the server said when ``exc`` (a driver's error, or SQLAlchemy's around it) says the
+    URL's database does not exist — PostgreSQL's ``database "x" does not exist``, MySQL's and
+    MariaDB's error 1049 ``Unknown database 'x'`` —, else ``""``."""
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip()
+    args = getattr(orig, "args", ())
+    if args and args[0] == 1049:  # ER_BAD_DB_ERROR
+        return str(args[1]) if len(args) > 1 else "unknown database"
+    found = re.search(r'database "[^"]*" does not exist', text)
+    return found.group(0) if found else ""
+
+
 # -- engines -----------------------------------------------------------------------------------
 
 
@@ -308,4 +322,12 @@ def _pooled_dbapi_connections(engine: Engine) -> list[Any]:
     return found
 
 
-__all__ = ["FAMILIES", "forget_after_fork", "make_engine", "parse_url", "sqlite_path", "take_table"]
+__all__ = [
+    "FAMILIES",
+    "forget_after_fork",
+    "make_engine",
+    "missing_database",
+    "parse_url",
+    "sqlite_path",
+    "take_table",
+]

@@ -48,6 +48,7 @@ from taskonce.stores.sql.connecting import (
     FAMILIES,
     forget_after_fork,
     make_engine,
+    missing_database,
     parse_url,
     take_table,
 )
@@ -514,6 +515,24 @@ class SQLStore(SQLTransactions, SQLReceipts):
         with self._connect("keys_ending") as connection:
             result = connection.execute(statement, {"p_pattern": f"%{escaped}"})
             return [str(row.key) for row in result]
+
+    def check_ready(self) -> None:
+        """:class:`ConfigError` when the server answers that the URL's database does not exist
+        (no wait mends that: a worker refuses to start at once); :class:`StoreUnavailable` when
+        it does not answer."""
+        try:
+            with self._engine.connect():
+                pass
+        except sa_exc.DBAPIError as exc:
+            missing = missing_database(exc)
+            if missing:
+                raise ConfigError(
+                    f"store {self._redacted}: the server says {missing}; create that database "
+                    "or correct the URL"
+                ) from None
+            raise self._unavailable("check_ready", exc) from exc
+        except sa_exc.TimeoutError as exc:
+            raise self._unavailable("check_ready", exc) from exc
 
     def close(self) -> None:
         self._engine.dispose()

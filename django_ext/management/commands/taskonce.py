@@ -1,13 +1,13 @@
 """``manage.py taskonce stats|inspect KEY|release KEY|purge|relay``: the ``taskonce`` command's
 verbs on the project's store (``settings.TASKONCE["STORE"]``).
 
-The verbs run :func:`taskonce.cli.main` itself: the same options (less ``--store``: the store is
-the project's), the same output and the same exit statuses (:mod:`taskonce.exits`: 0 done,
-1 no live record for KEY, 2 could not run as asked, 70 a bug). ``relay`` publishes through the
-project's guard (:func:`taskonce.django_ext.guard`) with the publishers the project registered
-on it (Celery's ``setup(app, guard())``, the Dramatiq middleware of ``DRAMATIQ_BROKER``), or
-through the app or broker named by ``--celery-app`` / ``--dramatiq-broker`` as ``taskonce
-relay`` does.
+The verbs run :func:`taskonce.cli.main` itself: the same options (``--store URL`` names another
+store than the project's; ``relay`` refuses it), the same output and the same exit statuses
+(:mod:`taskonce.exits`: 0 done, 1 no live record for KEY, 2 could not run as asked, 70 a bug).
+``relay`` publishes through the project's guard (:func:`taskonce.django_ext.guard`) with the
+publishers the project registered on it (Celery's ``setup(app, guard())``, the Dramatiq
+middleware of ``DRAMATIQ_BROKER``), or through the app or broker named by ``--celery-app`` /
+``--dramatiq-broker`` as ``taskonce relay`` does.
 
 Django's own options (``--settings``, ``--pythonpath``, ``-v``) go before the verb; the verb's
 options after it (``manage.py taskonce inspect --help`` lists them).
@@ -83,6 +83,11 @@ def _without_applied(arguments: list[str]) -> list[str]:
     return kept
 
 
+def _names_a_store(arguments: list[str]) -> bool:
+    """Whether the verb's ``arguments`` give ``--store URL`` (or ``--store=URL``)."""
+    return any(a == "--store" or a.startswith("--store=") for a in arguments)
+
+
 class Command(BaseCommand):
     """``manage.py taskonce VERB [options]``: :func:`taskonce.cli.main` on the project's store.
 
@@ -93,7 +98,8 @@ class Command(BaseCommand):
     help = (
         "Inspect and maintain the project's taskonce store (settings.TASKONCE['STORE']): "
         "stats, inspect KEY, release KEY, purge, relay. The verb's options follow it "
-        "(manage.py taskonce VERB --help). Exit status: 0 done, 1 no live record for KEY, "
+        "(manage.py taskonce VERB --help); --store URL names another store (not for relay). "
+        "Exit status: 0 done, 1 no live record for KEY, "
         "2 could not run as asked, 70 an unexpected error."
     )
     # The verbs report a bad setting or a store that does not answer themselves, in one line
@@ -124,13 +130,25 @@ class Command(BaseCommand):
         from taskonce.django_ext import conf
 
         verb = str(options["verb"])
-        try:
-            url = conf.store_url()
-        except ConfigError as exc:
-            raise CommandError(str(exc), returncode=EXIT_ERROR) from None
+        arguments = _without_applied(list(options["arguments"]))
+        given = _names_a_store(arguments)
+        if given and verb == "relay":
+            raise CommandError(
+                "manage.py taskonce relay publishes with the project's guard, whose store is "
+                'settings.TASKONCE["STORE"]: --store cannot name another; to relay the sends of '
+                "another store, run: taskonce relay --store URL --celery-app MODULE:app (or "
+                "--dramatiq-broker MODULE:broker)",
+                returncode=EXIT_ERROR,
+            )
+        url = None
+        if not given:  # --store URL: that store instead of the project's, as `taskonce` does
+            try:
+                url = conf.store_url()
+            except ConfigError as exc:
+                raise CommandError(str(exc), returncode=EXIT_ERROR) from None
         try:
             code = cli.main(
-                [verb, *_without_applied(list(options["arguments"]))],
+                [verb, *arguments],
                 out=self.stdout,
                 prog=self._prog,
                 commands=VERBS,
