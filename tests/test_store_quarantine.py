@@ -15,8 +15,14 @@ import pytest
 from taskonce.errors import LeaseLost
 from taskonce.stores import ClaimOutcome, Status, Store
 from taskonce.stores.base import State
-from tests.helpers import DJANGO_KINDS, REDIS_DEPLOYMENTS, STORE_KINDS, drop_store, make_store
-from tests.helpers import wait_for
+from tests.helpers import (
+    DJANGO_KINDS,
+    REDIS_DEPLOYMENTS,
+    STORE_KINDS,
+    drop_store,
+    make_store,
+    wait_for,
+)
 
 LONG, DAY = 60.0, 86400.0
 WORKER_A, WORKER_B, WORKER_C = "host-a/1/10/100", "host-b/2/20/200", "host-c/3/30/300"

@@ -418,10 +418,10 @@ class Store(StoreKeys, StoreLiveness, StoreSends, StoreReceipts, StoreOperations
     """A place to record claims and marks. Implementations: memory, Redis, SQL.
 
     The contract in five parts: :class:`StoreKeys` (claim, take_over, quarantine, complete,
-    release, renew, mark, get), :class:`StoreLiveness` (beat, seen), :class:`StoreSends` (take_sends,
-    dispatched, pending_sends), :class:`StoreReceipts` (take_receipts, settle_receipts,
-    have_records, due_for_relay) and :class:`StoreOperations` (purge, stats, records,
-    keys_ending, close, describe). Stores that can write inside the caller's database
+    release, renew, mark, get), :class:`StoreLiveness` (beat, seen), :class:`StoreSends`
+    (take_sends, dispatched, pending_sends), :class:`StoreReceipts` (take_receipts,
+    settle_receipts, have_records, due_for_relay) and :class:`StoreOperations` (purge, stats,
+    records, keys_ending, close, describe). Stores that can write inside the caller's database
     transaction also implement :class:`TransactionalStore`.
 
     Stores are opened in a parent process and used in forked children (Celery prefork,
