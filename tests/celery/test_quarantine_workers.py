@@ -70,9 +70,7 @@ def test_a_task_that_kills_its_worker_every_time_is_quarantined_until_released(
     assert type(result.result).__name__ == "Quarantined"
     assert result.result.count == CRASH_LIMIT + 1
     # Rejected without requeue: nothing comes back (a redelivery would come within a notice)
-    wait_for(
-        lambda: "Quarantined" in stack.worker.log(), timeout=20, what="the refusal in the log"
-    )
+    wait_for(lambda: "Quarantined" in stack.worker.log(), timeout=20, what="the refusal in the log")
     time.sleep(CELERY_NOTICE + 2)
     assert runs.count("loop") == CRASH_LIMIT + 1
     assert stack.count(task_id, "quarantined") == 1

@@ -213,8 +213,8 @@ def _parse(raw: bytes) -> Fields | None:
             crashes=int(crashes[0], 16) if crashes else 0,
         )
     if kind == QUARANTINED:
-        created, fp, crashes = raw[1:].decode("ascii").split("|")
-        return Fields(kind, int(created, 16), unpacked_fp(fp), crashes=int(crashes, 16))
+        created, fp, count = raw[1:].decode("ascii").split("|")
+        return Fields(kind, int(created, 16), unpacked_fp(fp), crashes=int(count, 16))
     if kind in (COMPLETED, MARKED):
         parts = raw[1:].split(b"|", 2)
         result = parts[2].decode("utf-8") if len(parts) > 2 else None
