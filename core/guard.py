@@ -271,8 +271,7 @@ class Guard:
     ) -> None:
         """The claim is ours: note it, say so, and keep its lease renewed while it runs."""
         ticket.owner = owner
-        if event is Event.LEASE_TAKEN_OVER:
-            quarantine.check(self.store, ticket, owner, self._emit, reason)  # raises Quarantined
+        quarantine.check(self.store, ticket, owner, self._emit, reason)  # past crash_limit: raises
         self._emit(event, ticket, reason=reason, recovery_s=recovery_s)
         ticket._heartbeat = self._heartbeat.watch(ticket.policy.lease, lambda: self._renew(ticket))
 
@@ -317,11 +316,10 @@ class Guard:
         if record.status is Status.COMPLETED and record.sends_pending:
             if not self._redispatch(ticket):
                 return
-        quarantined = record.status is Status.QUARANTINED  # skipped until released
         if record.status is not Status.IN_PROGRESS or ticket.policy.on_in_progress == "skip":
             ticket.decision = Decision.SKIP
             ticket.stored_result = decode_result(record.result)
-            reason = "quarantined" if quarantined else "rolled_back" if rolled_back else None
+            reason = "rolled_back" if rolled_back else quarantine.skip_reason(record)
             self._emit(Event.DUPLICATE_SKIPPED, ticket, duration=rolled_back, reason=reason)
             return
         ticket.decision = Decision.DEFER

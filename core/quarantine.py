@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from taskonce.errors import LeaseLost, Quarantined
 from taskonce.events import Event
-from taskonce.stores.base import Store
+from taskonce.stores.base import Record, Status, Store
 from taskonce.ticket import Ticket
 
 logger = logging.getLogger("taskonce")
@@ -27,11 +27,11 @@ logger = logging.getLogger("taskonce")
 def check(
     store: Store, ticket: Ticket, owner: str, emit: Callable[..., None], reason: str | None
 ) -> None:
-    """After ``owner`` took ``ticket``'s key over (the take-over's count is ``ticket.crashes``):
-    nothing when the count is within ``crash_limit`` (or the limit is 0); else quarantine the
-    key and raise :class:`Quarantined`. A store outage on the way raises
-    :class:`~taskonce.errors.StoreUnavailable` (the claim stays ours until its lease ends, and
-    the next delivery counts one take-over more)."""
+    """After ``owner`` claimed ``ticket``'s key or took it over (the take-over's count is
+    ``ticket.crashes``, 0 for a claim): nothing when the count is within ``crash_limit`` (or
+    the limit is 0); else quarantine the key and raise :class:`Quarantined`. A store outage on
+    the way raises :class:`~taskonce.errors.StoreUnavailable` (the claim stays ours until its
+    lease ends, and the next delivery counts one take-over more)."""
     limit, crashes = ticket.policy.crash_limit, ticket.crashes
     if not limit or crashes <= limit:
         return
@@ -48,4 +48,10 @@ def check(
     raise Quarantined(ticket.key, crashes)
 
 
-__all__ = ["check"]
+def skip_reason(record: Record) -> str | None:
+    """The ``reason`` of the ``duplicate_skipped`` of a delivery that found ``record``:
+    ``quarantined`` for a quarantined key (skipped until released), else none."""
+    return "quarantined" if record.status is Status.QUARANTINED else None
+
+
+__all__ = ["check", "skip_reason"]
