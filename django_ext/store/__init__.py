@@ -172,14 +172,28 @@ class DjangoStore(SQLStore):
             return create_tables(self._wrapper())
 
     def check_ready(self) -> None:
-        """:class:`ConfigError` when the store's table is missing: the migration has not run
-        on this database (at a worker's start: no wait mends that)."""
+        """:class:`ConfigError` when the store's table is missing, or lacks a column of a later
+        migration: the migrations have not all run on this database (at a worker's start: no
+        wait mends that, and every statement would fail)."""
         with self._errors("check_ready"):
-            tables = self._wrapper().introspection.table_names()
+            wrapper = self._wrapper()
+            tables = wrapper.introspection.table_names()
+            present: set[str] = set()
+            if DEFAULT_TABLE in tables:
+                with wrapper.cursor() as cursor:
+                    described = wrapper.introspection.get_table_description(cursor, DEFAULT_TABLE)
+                present = {column.name for column in described}
         if DEFAULT_TABLE not in tables:
             raise ConfigError(
                 f"store {self._redacted}: the table {DEFAULT_TABLE} does not exist in database "
                 f"{self.alias!r}; create it with: python manage.py migrate --database {self.alias}"
+            )
+        missing = [column.name for column in self._table.columns if column.name not in present]
+        if missing:
+            raise ConfigError(
+                f"store {self._redacted}: the table {DEFAULT_TABLE} in database {self.alias!r} "
+                f"has no column {', '.join(missing)}: taskonce's migrations are not all applied; "
+                f"run: python manage.py migrate --database {self.alias}"
             )
 
     def _after_fork(self) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from taskonce.errors import ConfigError
 from taskonce.stores.base import Status
 from tests.django.test_migration_receipts import layout
 from tests.django_project import databases
@@ -29,6 +30,9 @@ def test_0003_backwards_and_forwards(alias: str) -> None:
         columns, indexes = layout(alias)
         assert "crashes" not in columns and "receipts" in columns
         assert sorted(indexes.values()) == [["expires_at"], ["sends_at"]]
+        # a worker refuses to start on it, naming the column and the command
+        with pytest.raises(ConfigError, match=r"has no column crashes: .* manage.py migrate"):
+            DjangoStore(alias).check_ready()
     finally:
         call_command("migrate", "taskonce", database=alias, verbosity=0)
     columns, indexes = layout(alias)
