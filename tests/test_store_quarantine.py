@@ -137,3 +137,30 @@ def test_a_quarantined_record_expires_after_keep_for(store: Store) -> None:
     assert store.get(key) is not None
     wait_for(lambda: store.get(key) is None, timeout=10, what="the quarantine to expire")
     assert store.claim(key, "B", LONG, DAY, None, WORKER_B).outcome is ClaimOutcome.CLAIMED
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_table_of_the_previous_version_gains_the_crashes_column(kind: str, tmp_path: Any) -> None:
+    """A keys table made before quarantine existed gets its column on first use, and works."""
+    import sqlalchemy as sa
+
+    import taskonce
+
+    first = make_store(kind, tmp_path)
+    try:
+        url, table = first.engine.url, first._table_label  # type: ignore[attr-defined]
+        first.get("q:warm")  # the table made
+        with first.engine.begin() as connection:  # type: ignore[attr-defined]
+            connection.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN crashes")
+        store = taskonce.open_store(url.render_as_string(hide_password=False), table=table)
+        try:
+            store.claim("q:a", "A", LONG, DAY, None, WORKER_A)
+            assert store.take_over("q:a", "A", "B", LONG, DAY, WORKER_B) == 1
+            store.quarantine("q:a", "B", DAY)
+            assert store.get("q:a").status is Status.QUARANTINED  # type: ignore[union-attr]
+            columns = [c["name"] for c in sa.inspect(store.engine).get_columns(table)]  # type: ignore[attr-defined]
+            assert "crashes" in columns
+        finally:
+            store.close()
+    finally:
+        drop_store(first)
