@@ -18,6 +18,13 @@ At publish time the header is the name of the queue Celery declares for the mess
 message is published to an exchange without a queue (a retry re-published to the
 ``delivery_info`` it came from), the queue bound to that exchange and routing key in
 ``app.amqp.queues``; for the anonymous exchange ``''``, the routing key.
+
+Where a refused message ends (:func:`record_refusal`): rejected without requeue, so a broker
+dead-letter exchange catches it where one is configured; that stores no state in the result
+backend, so one refused because its key is quarantined (``Policy.crash_limit``) gets
+``FAILURE`` with its :class:`~taskonce.errors.Quarantined` error, and whoever waits for its
+result learns why it never ran. Other refusals leave the state alone: a payload mismatch's task
+id may hold the first run's result, which a duplicate never overwrites.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from typing import Any
 
 from celery import current_app
 from celery.signals import before_task_publish
+
+from taskonce.errors import Quarantined
 
 logger = logging.getLogger("taskonce.celery")
 
@@ -154,3 +163,17 @@ def delivery_queue(task: Any, request: Any) -> str:
     if isinstance(routing_key, str) and routing_key:
         return routing_key
     return default_queue(task)
+
+
+def record_refusal(task: Any, task_id: str, exc: BaseException) -> None:
+    """Store ``FAILURE`` with ``exc`` for ``task_id`` when ``exc`` is :class:`Quarantined` and
+    the task keeps results; a backend that fails is logged, never raised (the message is
+    dead-lettered all the same)."""
+    if not isinstance(exc, Quarantined) or task.ignore_result:
+        return
+    try:
+        task.backend.mark_as_failure(task_id, exc)
+    except Exception:
+        logger.warning(
+            "taskonce: could not store FAILURE of %s[%s]", task.name, task_id, exc_info=True
+        )

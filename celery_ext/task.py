@@ -34,7 +34,7 @@ from taskonce.celery_ext.config import (
     worker_starting,
 )
 from taskonce.celery_ext.defaults import check_eta
-from taskonce.celery_ext.routing import QUEUE_HEADER, delivery_queue
+from taskonce.celery_ext.routing import QUEUE_HEADER, delivery_queue, record_refusal
 from taskonce.current import handling
 from taskonce.errors import ConfigError, InProgressElsewhere
 from taskonce.guard import Delivery, Guard, Ticket
@@ -335,6 +335,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         logger.error("taskonce: %s[%s] refused, %s: %s", self.name, call.request.id, how, exc)
         if call.eager:
             raise exc
+        record_refusal(self, call.request.id, exc)  # a quarantined key's: FAILURE, Quarantined
         raise _reject(exc, requeue=False) from exc
 
     def _lost(self, action: Action, call: _Call) -> NoReturn:
@@ -562,7 +563,7 @@ CELERY: dict[Do, Callable[[IdempotentTask, Action, _Call], Any]] = {
     Do.SKIP: IdempotentTask._skip,  # Ignore: nothing stored, no callbacks, acknowledged
     Do.REDELIVER: IdempotentTask._redeliver,  # publish again, countdown=delay; Ignore
     Do.BACK_OFF: IdempotentTask._back_off,  # the same after taskonce_store_retry_delay
-    Do.REJECT: IdempotentTask._refuse,  # Reject(requeue=False): dead-lettered
+    Do.REJECT: IdempotentTask._refuse,  # Reject(requeue=False): dead-lettered (+ FAILURE)
     Do.LOST: IdempotentTask._lost,  # Ignore: the run that took the claim over is of record
     Do.RAISE: IdempotentTask._raise,  # the handler's own commit error: Celery's FAILURE
 }

@@ -24,6 +24,7 @@ from taskonce.errors import (
     InvalidInput,
     LeaseLost,
     PayloadMismatch,
+    Quarantined,
     StoreUnavailable,
 )
 from taskonce.events import Event
@@ -46,7 +47,7 @@ class Do(str, enum.Enum):
     SKIP = "skip"  # a duplicate: acknowledge; no result stored, no callbacks, no retry
     REDELIVER = "redeliver"  # in progress elsewhere: the same message again after ``delay`` s
     BACK_OFF = "back_off"  # store unreachable or failing (fail_closed): again after a backoff
-    REJECT = "reject"  # never runnable (payload mismatch, unusable id, config error): dead-letter
+    REJECT = "reject"  # never runnable (payload mismatch, bad id, config error, quarantined): DLQ
     LOST = "lost"  # the claim was taken over while the handler ran: the other run is of record
     RAISE = "raise"  # the handler's own error at its commit: the framework's failure path
 
@@ -90,7 +91,7 @@ def before(
         ticket = guard.begin(described, args, kwargs)
     except StoreUnavailable as exc:  # on_store_error="fail_closed"
         return Action(Do.BACK_OFF, error=exc)
-    except (InvalidInput, PayloadMismatch, ConfigError) as exc:
+    except (InvalidInput, PayloadMismatch, ConfigError, Quarantined) as exc:
         return Action(Do.REJECT, error=exc)
     except Exception as exc:
         return _internal_error(guard, described, exc)

@@ -161,7 +161,7 @@ def _emit(out: TextIO, args: argparse.Namespace, data: Any, human: str) -> None:
     out.write((json.dumps(data, sort_keys=True) if args.json else human) + "\n")
 
 
-_COUNTS = ("keys", "in_progress", "completed", "marked", "sends_pending", "receipts")
+_COUNTS = ("keys", "in_progress", "completed", "marked", "quarantined", "sends_pending", "receipts")
 
 
 def _cmd_stats(args: argparse.Namespace, out: TextIO) -> int:
@@ -186,7 +186,7 @@ def _cmd_stats(args: argparse.Namespace, out: TextIO) -> int:
         }
         header = (
             f"{'queue':<24} {'keys':>8} {'claimed':>8} {'completed':>10} {'marked':>8} "
-            f"{'unsent':>8} {'receipts':>8}"
+            f"{'quarantined':>11} {'unsent':>8} {'receipts':>8}"
         )
         lines = [store.describe(), header]
         rows = sorted(queues.items())
@@ -195,7 +195,8 @@ def _cmd_stats(args: argparse.Namespace, out: TextIO) -> int:
         for name, row in rows:
             lines.append(
                 f"{name:<24} {row['keys']:>8} {row['in_progress']:>8} {row['completed']:>10} "
-                f"{row['marked']:>8} {row['sends_pending']:>8} {row['receipts']:>8}"
+                f"{row['marked']:>8} {row['quarantined']:>11} {row['sends_pending']:>8} "
+                f"{row['receipts']:>8}"
             )
         lines.append(f"expired records awaiting purge (every queue): {expired}")
         _emit(out, args, data, "\n".join(lines))
@@ -254,6 +255,7 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
         "kept until": _when(record.expires_at, utc),
         "lease left": duration_in_words(lease) if record.state == "claimed" else "-",
         "sends": f"{len(record.sends)} pending" if record.sends_pending else "-",
+        "take-overs": f"{record.crashes} (from dead owners)" if record.crashes else "-",
     }
     lines = [f"{name:<12} {value}" for name, value in rows.items()]
     data = {**record.as_dict(), "queue": rows["queue"]}

@@ -84,12 +84,33 @@ class InProgressElsewhere(TaskonceError):
         return (type(self), (self.key, self.retry_after))
 
 
+class Quarantined(TaskonceError):
+    """The handler's process died ``count`` times running this key (its claim was taken over
+    from a dead, silent or expired owner each time), more than ``Policy.crash_limit`` allows:
+    the key is quarantined and the message dead-lettered instead of run again. Later copies
+    are acknowledged and not run until ``taskonce release KEY`` re-arms the key."""
+
+    def __init__(self, key: str, count: int) -> None:
+        # args are (key, count), so a result backend that stores an exception by its arguments
+        # (Celery's JSON serializer) brings back a Quarantined, not a bare Exception.
+        super().__init__(key, count)
+        self.key = key
+        self.count = count
+
+    def __str__(self) -> str:
+        return (
+            f"key {self.key!r} quarantined: the process running it died {self.count} times "
+            f"(crash_limit); not run again until: taskonce release {self.key!r}"
+        )
+
+
 __all__ = [
     "ConfigError",
     "InProgressElsewhere",
     "InvalidInput",
     "LeaseLost",
     "PayloadMismatch",
+    "Quarantined",
     "SendRefused",
     "StoreUnavailable",
     "TaskonceError",

@@ -37,6 +37,7 @@ class Event(str, enum.Enum):
     PAYLOAD_MISMATCH = "payload_mismatch"
     STORE_ERROR = "store_error"
     PURGED = "purged"
+    QUARANTINED = "quarantined"
     SENDS_DEFERRED = "sends_deferred"
     SENDS_DISPATCHED = "sends_dispatched"
     SENDS_REDISPATCHED = "sends_redispatched"
@@ -80,6 +81,7 @@ _WARNING_EVENTS = frozenset(
         Event.LEASE_LOST,
         Event.CONCURRENT_DUPLICATE,
         Event.PAYLOAD_MISMATCH,
+        Event.QUARANTINED,
         Event.SEND_UNCONFIRMED,
     }
 )

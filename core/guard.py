@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from taskonce import receipts, worker
+from taskonce import quarantine, receipts, worker
 from taskonce.current import run_as
 from taskonce.dispatch import RECORDER_HOLD, Dispatcher
 from taskonce.errors import (
@@ -235,6 +235,7 @@ class Guard:
                 self._hold(ticket, owner, Event.CLAIMED)
                 return
             if claim.outcome is ClaimOutcome.TAKEN_OVER:
+                ticket.crashes = claim.crashes
                 self._hold(ticket, owner, Event.LEASE_TAKEN_OVER, reason="lease_expired")
                 return
             record = claim.record
@@ -246,14 +247,13 @@ class Guard:
                 self._decide(ticket, record, None if verdict is None else verdict.recheck_in)
                 return
             assert record.owner is not None
-            if self.store.take_over(key, record.owner, owner, policy.lease, policy.keep_for, me):
+            ticket.crashes = self.store.take_over(
+                key, record.owner, owner, policy.lease, policy.keep_for, me
+            )
+            if ticket.crashes:
                 logger.info("took over %s from %s (%s)", key, record.worker, verdict.reason)
                 self._hold(
-                    ticket,
-                    owner,
-                    Event.LEASE_TAKEN_OVER,
-                    reason=verdict.reason,
-                    recovery_s=verdict.recovery_s,
+                    ticket, owner, Event.LEASE_TAKEN_OVER, verdict.reason, verdict.recovery_s
                 )
                 return
             # Another delivery took it over (or it completed) first: look again.
@@ -272,6 +272,7 @@ class Guard:
     ) -> None:
         """The claim is ours: note it, say so, and keep its lease renewed while it runs."""
         ticket.owner = owner
+        quarantine.check(self.store, ticket, owner, self._emit, reason)  # past crash_limit: raises
         self._emit(event, ticket, reason=reason, recovery_s=recovery_s)
         ticket._heartbeat = self._heartbeat.watch(ticket.policy.lease, lambda: self._renew(ticket))
 
@@ -316,10 +317,10 @@ class Guard:
         if record.status is Status.COMPLETED and record.sends_pending:
             if not self._redispatch(ticket):
                 return
-        if record.status is Status.COMPLETED or ticket.policy.on_in_progress == "skip":
+        if record.status is not Status.IN_PROGRESS or ticket.policy.on_in_progress == "skip":
             ticket.decision = Decision.SKIP
             ticket.stored_result = decode_result(record.result)
-            reason = "rolled_back" if rolled_back else None
+            reason = "rolled_back" if rolled_back else quarantine.skip_reason(record)
             self._emit(Event.DUPLICATE_SKIPPED, ticket, duration=rolled_back, reason=reason)
             return
         ticket.decision = Decision.DEFER

@@ -27,6 +27,7 @@ DECISIONS: dict[str, str] = {
     Event.SENDS_REDISPATCHED: "skip",
     Event.IN_PROGRESS_DEFERRED: "defer",
     Event.PAYLOAD_MISMATCH: "refuse",
+    Event.QUARANTINED: "refuse",
 }
 
 

@@ -80,6 +80,11 @@ class Policy:
         it (``send_unconfirmed``). Only for receivers guarded on the same store and known in
         the sending process. 0 turns receipts off for this queue's sends. Default 300. A value
         whose receipt window (15 × it) does not fit in half of ``keep_for`` is refused.
+    :param crash_limit: how many times a key is taken over from an owner that died (or fell
+        silent, or let its lease run out) and run again; the next such delivery quarantines the
+        key instead (eager): not run, dead-lettered, later copies skipped until ``taskonce
+        release KEY``. A message that kills its worker every time runs at most
+        ``crash_limit + 1`` times. 0 turns quarantine off. Default 3.
     """
 
     mode: Mode = "eager"
@@ -95,6 +100,7 @@ class Policy:
     defer_sends: bool = True
     check_first: bool = True
     confirm_within: float = _Default(CONFIRM_WITHIN)
+    crash_limit: int = 3
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -117,6 +123,12 @@ class Policy:
                 )
             object.__setattr__(self, name, float(value))
         self._check_confirm_within()
+        limit = self.crash_limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ConfigError(
+                f"Policy.crash_limit={limit!r} is not valid; it must be a whole number of "
+                "take-overs, 0 or more (0 turns quarantine off)"
+            )
         if not self.check_first and (self.mode != "lazy" or not self.transactional):
             # Without the pre-check only the transaction's rollback stops a duplicate's effect:
             # eager claims first by design, and a lazy mark outside a transaction comes too late.

@@ -101,6 +101,12 @@ class _Metrics:
             ("event", *LABELS),
             registry=registry,
         )
+        self.quarantined = client.Counter(
+            "taskonce_quarantined",
+            "Keys quarantined: their handler's process died more than crash_limit times",
+            LABELS,
+            registry=registry,
+        )
         self.duration = client.Histogram(
             "taskonce_handler_duration_seconds",
             "Handler run time, from the guard's decision to its recorded outcome",
@@ -141,7 +147,9 @@ class PrometheusEvents:
     ``taskonce_handler_duration_seconds{outcome,…}`` is a histogram
     of handler run time (outcome ``completed``, ``marked``, ``released``, …);
     ``taskonce_takeover_recovery_seconds{queue,reason}`` a histogram of recovery after a dead
-    worker; ``taskonce_claims_in_progress{…}`` a gauge of the claims this process holds; and,
+    worker; ``taskonce_quarantined_total{queue,task,framework}`` counts keys quarantined after
+    crash loops (``Policy.crash_limit``); ``taskonce_claims_in_progress{…}`` a gauge of the
+    claims this process holds; and,
     for a store passed through :meth:`time_store`, ``taskonce_store_call_duration_seconds``.
 
     :param registry: where the metrics live; default ``prometheus_client.REGISTRY``. In
@@ -187,6 +195,8 @@ class PrometheusEvents:
         count = event.get("count")
         if name in _SENDS and count:
             metrics.sends.labels(_SENDS[name], *labels).inc(count)
+        elif name == Event.QUARANTINED:
+            metrics.quarantined.labels(*labels).inc()
         duration_ms = event.get("duration_ms")
         if duration_ms is not None:
             metrics.duration.labels(name, *labels).observe(duration_ms / 1000.0)

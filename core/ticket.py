@@ -72,6 +72,8 @@ class Ticket:
     owner: str | None = None
     fingerprint: str | None = None
     retry_after: float = 0.0
+    #: a take-over's count of the key's take-overs from dead owners (:mod:`taskonce.quarantine`)
+    crashes: int = 0
     #: the first execution's result (JSON-decoded) when a duplicate is skipped and it was stored
     stored_result: Any = None
     started: float = dataclasses.field(default_factory=time.monotonic)

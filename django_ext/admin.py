@@ -1,11 +1,12 @@
 """A read-only admin for the store's records (``django://ALIAS`` stores).
 
-The records and the workers' liveness records can be listed, filtered (by queue, by state),
-searched by key and looked at; nobody can add, change or delete them here. The one write is
+The records and the workers' liveness records can be listed, filtered (by queue, by state,
+quarantined included), searched by key and looked at; nobody can add, change or delete them
+here. The one write is
 the **release** action (for users with the ``taskonce.change_record`` permission): after a
 confirmation page it deletes each selected record through the project's store
 (``taskonce.django_ext.guard().store.release(key, None)``), as ``manage.py taskonce release
-KEY`` does, so that the next delivery of the key runs.
+KEY`` does, so that the next delivery of the key runs (a quarantined key is re-armed).
 
 With a store that is not a Django database (``redis://…``, an SQL URL) its records are not in
 the project's database, and the admin does not show them.
@@ -115,8 +116,18 @@ class StateFilter(admin.SimpleListFilter):
 
     title = "state"
     parameter_name = "state"
-    STATES = {"in_progress": "in progress", "handled": "handled", "sending": "sends pending"}
-    STATUS = {"in_progress": "in_progress", "handled": "completed", "sending": "sending"}
+    STATES = {
+        "in_progress": "in progress",
+        "handled": "handled",
+        "sending": "sends pending",
+        "quarantined": "quarantined",
+    }
+    STATUS = {
+        "in_progress": "in_progress",
+        "handled": "completed",
+        "sending": "sending",
+        "quarantined": "quarantined",
+    }
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
         return [*self.STATES.items(), ("expired", "expired")]
@@ -222,6 +233,7 @@ class RecordAdmin(_ReadOnly):
         "result",
         "pending_sends",
         "awaited_receipts",
+        "crashes",
     )
 
     @_display(description="queue")

@@ -15,7 +15,7 @@ class Record(models.Model):
     Times are seconds since the epoch by the database's clock."""
 
     key = models.CharField(max_length=255, primary_key=True)
-    status = models.CharField(max_length=16)  # in_progress | completed | sending
+    status = models.CharField(max_length=16)  # in_progress | completed | sending | quarantined
     owner = models.CharField(max_length=64, null=True)
     fingerprint = models.CharField(max_length=64, null=True)
     result = models.TextField(null=True)
@@ -31,6 +31,8 @@ class Record(models.Model):
     sends_lease = models.FloatField(null=True)
     # published sends awaiting their receipts, or given up on (JSON)
     receipts = models.TextField(null=True)
+    # take-overs of the key from dead owners; status "quarantined" once past crash_limit
+    crashes = models.IntegerField(null=True)
 
     class Meta:
         db_table = "taskonce_keys"
@@ -48,13 +50,15 @@ class Record(models.Model):
 
     @property
     def state(self) -> str:
-        """``in progress``, ``handled``, ``sends pending`` or ``expired``, by this process's
-        clock (for display)."""
+        """``in progress``, ``handled``, ``sends pending``, ``quarantined`` or ``expired``, by
+        this process's clock (for display)."""
         if self.expires_at <= time.time():
             return "expired"
-        return {"in_progress": "in progress", "sending": "sends pending"}.get(
-            self.status, "handled"
-        )
+        return {
+            "in_progress": "in progress",
+            "sending": "sends pending",
+            "quarantined": "quarantined",
+        }.get(self.status, "handled")
 
 
 class WorkerSeen(models.Model):

@@ -189,6 +189,7 @@ _SUMMARY_COLUMNS = (
     ("failures", "failures"),
     ("releases", "releases"),
     ("takeovers", "take-overs"),
+    ("quarantined", "quarantined"),
     ("leaks", "leaks"),
     ("near_misses", "near misses"),
     ("stuck_claims", "stuck"),

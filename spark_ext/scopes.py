@@ -175,6 +175,7 @@ def scope_aggregates() -> dict[str, tuple[str, Column]]:
         failures=("sum", F.sum("is_failure")),
         releases=("sum", F.sum(flag(F.col("event") == Event.RELEASED.value))),
         takeovers=("sum", F.sum(flag(F.col("event") == Event.LEASE_TAKEN_OVER.value))),
+        quarantined=("sum", F.sum(flag(F.col("event") == Event.QUARANTINED.value))),
         near_misses=("sum", F.sum(F.coalesce(F.col("near_miss"), F.lit(0)))),
         distinct_keys=("sum", F.sum("key_delivered")),
         leaks=("sum", F.sum("key_leaked")),

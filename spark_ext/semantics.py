@@ -22,6 +22,7 @@ DELIVERY_EVENTS = (
     Event.IN_PROGRESS_DEFERRED.value,
     Event.CONCURRENT_DUPLICATE.value,
     Event.PAYLOAD_MISMATCH.value,
+    Event.QUARANTINED.value,
 )
 #: A run: a handler ran (eager claims and take-overs; lazy marks and concurrent duplicates).
 RUN_EVENTS = (
@@ -32,12 +33,14 @@ RUN_EVENTS = (
 )
 #: A claim starts (eager mode): the key is held by one owner until it ends.
 CLAIM_START_EVENTS = (Event.CLAIMED.value, Event.LEASE_TAKEN_OVER.value)
-#: A claim ends: completed or released by its owner, or the owner learnt it lost the lease.
+#: A claim ends: completed or released by its owner, or the owner learnt it lost the lease, or
+#: (its owner dead) a later delivery quarantined the key.
 CLAIM_END_EVENTS = (
     Event.COMPLETED.value,
     Event.RELEASED.value,
     Event.MARKED.value,
     Event.LEASE_LOST.value,
+    Event.QUARANTINED.value,
 )
 #: The key is handled: from here on, another run is a leak.
 DONE_EVENTS = (Event.COMPLETED.value, Event.MARKED.value)
@@ -49,6 +52,7 @@ FAILURE_EVENTS = (
     Event.LEASE_LOST.value,
     Event.STORE_ERROR.value,
     Event.PAYLOAD_MISMATCH.value,
+    Event.QUARANTINED.value,
 )
 #: What the input calls an ``in_progress_deferred`` with ``reason: "recheck"``: the guard
 #: deferring again a copy it had deferred before (still in progress elsewhere). Not a delivery,
@@ -65,6 +69,7 @@ METRIC_FIELDS = (
     "failures",
     "releases",
     "takeovers",
+    "quarantined",
     "leaks",
     "near_misses",
     "stuck_claims",

@@ -175,13 +175,14 @@ def test_stats_per_queue_with_marked_apart_from_completed(tmp_path: Path) -> Non
         "claimed",
         "completed",
         "marked",
+        "quarantined",
         "unsent",
         "receipts",
     ]
     assert [line.split() for line in lines[2:5]] == [
-        ["mail:box", "2", "1", "0", "1", "0", "0"],
-        ["payments", "2", "0", "1", "1", "0", "0"],
-        ["all", "4", "1", "1", "2", "0", "0"],
+        ["mail:box", "2", "1", "0", "1", "0", "0", "0"],
+        ["payments", "2", "0", "1", "1", "0", "0", "0"],
+        ["all", "4", "1", "1", "2", "0", "0", "0"],
     ]
     code, text = run("stats", "--store", url, "--table", "jobs", "--json")
     data = json.loads(text)
@@ -191,6 +192,7 @@ def test_stats_per_queue_with_marked_apart_from_completed(tmp_path: Path) -> Non
         "in_progress": 0,
         "completed": 1,
         "marked": 1,
+        "quarantined": 0,
         "sends_pending": 0,
         "receipts": 0,
     }
@@ -200,6 +202,27 @@ def test_stats_per_queue_with_marked_apart_from_completed(tmp_path: Path) -> Non
     assert (data["keys"], data["in_progress"], data["marked"]) == (2, 1, 1)
     # the default table is another store: nothing there
     assert run("stats", "--store", url)[0] == 2
+
+
+def test_a_quarantined_key_in_stats_inspect_and_release(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/q.db"
+    store = taskonce.open_store(url)
+    store.claim("payments:m9", "w1", 300, 60, "fp", "host/1/2/3")
+    assert store.take_over("payments:m9", "w1", "w2", 300, 60, "host/1/2/4") == 1
+    store.quarantine("payments:m9", "w2", 3600)
+    store.close()
+    code, text = run("stats", "--store", url)
+    assert code == 0 and text.splitlines()[2].split() == [
+        "payments", "1", "0", "0", "0", "1", "0", "0"
+    ]  # fmt: skip
+    assert json.loads(run("stats", "--store", url, "--json")[1])["quarantined"] == 1
+    code, text = run("inspect", "payments:m9", "--store", url)
+    assert code == 0 and "state        quarantined" in text
+    assert "take-overs   1 (from dead owners)" in text
+    data = json.loads(run("inspect", "payments:m9", "--store", url, "--json")[1])
+    assert (data["state"], data["status"], data["crashes"]) == ("quarantined", "quarantined", 1)
+    assert run("release", "payments:m9", "--store", url) == (0, "released 'payments:m9'\n")
+    assert run("inspect", "payments:m9", "--store", url)[0] == 1
 
 
 def test_inspect_and_release_a_message_id_on_a_queue(tmp_path: Path) -> None:
@@ -289,6 +312,7 @@ def test_table_selects_the_sql_table_on_postgresql() -> None:
             "0",
             "1",
             "1",
+            "0",
             "0",
             "0",
         ]

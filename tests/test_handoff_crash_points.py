@@ -131,12 +131,15 @@ class KillableStore(Store):
 
     def take_over(
         self, key: str, old_owner: str, owner: str, lease: float, keep_for: float, worker: str
-    ) -> bool:
+    ) -> int:
         return self.killer.call(  # type: ignore[no-any-return]
             "take_over",
             key,
             lambda: self.inner.take_over(key, old_owner, owner, lease, keep_for, worker),
         )
+
+    def quarantine(self, key: str, owner: str, keep_for: float) -> None:
+        self.killer.call("quarantine", key, lambda: self.inner.quarantine(key, owner, keep_for))
 
     def beat(self, worker: str, ttl: float) -> None:
         self.inner.beat(worker, ttl)  # the liveness thread's timing is not part of the sequence

@@ -312,7 +312,7 @@ def test_take_over_hands_a_live_claim_on_and_fences_the_old_owner(store: Store) 
     store.claim(key, "A", LONG, DAY, "fp1", WORKER_A)
     before = store.get(key)
     assert before is not None and before.lease_remaining > 50  # the lease is alive
-    assert store.take_over(key, "A", "B", 30.0, DAY, WORKER_B) is True
+    assert store.take_over(key, "A", "B", 30.0, DAY, WORKER_B) == 1
     after = store.get(key)
     assert after is not None
     assert (after.status, after.owner, after.worker) == (Status.IN_PROGRESS, "B", WORKER_B)
@@ -327,7 +327,7 @@ def test_take_over_hands_a_live_claim_on_and_fences_the_old_owner(store: Store) 
         with pytest.raises(LeaseLost):
             write()
     # a second takeover naming the old owner loses: only one delivery wins
-    assert store.take_over(key, "A", "C", LONG, DAY, WORKER_A) is False
+    assert store.take_over(key, "A", "C", LONG, DAY, WORKER_A) == 0
     store.complete(key, "B", DAY, '"ok"')
     done = store.get(key)
     assert done is not None and done.status is Status.COMPLETED and done.result == '"ok"'
@@ -337,9 +337,9 @@ def test_take_over_refuses_marks_missing_keys_and_other_owners(store: Store) -> 
     marked, missing, claimed = new_key(), new_key(), new_key()
     store.mark(marked, DAY, None, None)
     store.claim(claimed, "A", LONG, DAY, None, WORKER_A)
-    assert store.take_over(marked, "A", "B", LONG, DAY, WORKER_B) is False
-    assert store.take_over(missing, "A", "B", LONG, DAY, WORKER_B) is False
-    assert store.take_over(claimed, "X", "B", LONG, DAY, WORKER_B) is False
+    assert store.take_over(marked, "A", "B", LONG, DAY, WORKER_B) == 0
+    assert store.take_over(missing, "A", "B", LONG, DAY, WORKER_B) == 0
+    assert store.take_over(claimed, "X", "B", LONG, DAY, WORKER_B) == 0
     assert store.get(missing) is None
     record = store.get(claimed)
     assert record is not None and (record.owner, record.worker) == ("A", WORKER_A)

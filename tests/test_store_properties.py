@@ -1,5 +1,5 @@
 """Property test of the store contract, against every store: random sequences of claim,
-complete, release, renew, mark, take_over and get, of the hand-off's sends recorded with
+complete, release, renew, mark, take_over (counting take-overs), quarantine and get, of the hand-off's sends recorded with
 complete/mark, take_sends and dispatched, and of the receipts awaited after a dispatch
 (take_receipts, settle_receipts, have_records, due_for_relay), compared with a plain model of
 the contract (including the claim owner's worker identity)."""
@@ -43,6 +43,7 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
             # the model: key -> (status, owner, fingerprint, result)
             self.model: dict[str, tuple[Status, str | None, str | None, str | None]] = {}
             self.workers: dict[str, str | None] = {}  # key -> the claim's worker identity
+            self.crashes: dict[str, int] = {}  # key -> take-overs from dead owners
             # the hand-off's model: key -> [pending sends, dispatch token, leased]
             self.sends: dict[str, list[Any]] = {}
             # the receipts' model: key -> [entries, due (0 now, 600 later, None given up),
@@ -63,19 +64,36 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
                 assert (claim.record.status, claim.record.owner) == (status, holder)
                 assert (claim.record.fingerprint, claim.record.result) == (recorded_fp, result)
                 assert claim.record.worker == self.workers.get(key)
+                assert claim.record.crashes == self.crashes.get(key, 0)
             else:
                 assert claim.outcome is ClaimOutcome.CLAIMED
                 self.model[key] = (Status.IN_PROGRESS, owner, fp, None)
                 self.workers[key] = worker
+                self.crashes[key] = 0
 
         @rule(key=KEYS, old=OWNERS, owner=OWNERS, worker=WORKERS.filter(bool))
         def take_over(self, key: str, old: str, owner: str, worker: str) -> None:
             expected = self.fenced(key, old)
-            assert self.store.take_over(key, old, owner, LEASE, KEEP, worker) is expected
+            count = self.crashes.get(key, 0) + 1 if expected else 0
+            assert self.store.take_over(key, old, owner, LEASE, KEEP, worker) == count
             if expected:
                 _, _, fp, result = self.model[key]
                 self.model[key] = (Status.IN_PROGRESS, owner, fp, result)
                 self.workers[key] = worker
+                self.crashes[key] = count
+
+        @rule(key=KEYS, owner=OWNERS)
+        def quarantine(self, key: str, owner: str) -> None:
+            expected = self.fenced(key, owner)
+            try:
+                self.store.quarantine(key, owner, KEEP)
+            except LeaseLost:
+                assert not expected, "quarantine refused for the owner"
+                return
+            assert expected, "quarantine accepted from a non-owner"
+            _, _, fp, result = self.model[key]
+            self.model[key] = (Status.QUARANTINED, None, fp, result)
+            self.workers[key] = None
 
         @rule(key=KEYS, owner=OWNERS, result=RESULTS, sends=SENDS)
         def complete(self, key: str, owner: str, result: str | None, sends: Any) -> None:
@@ -88,6 +106,7 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
             assert expected, "complete accepted from a non-owner"
             self.model[key] = (Status.COMPLETED, None, self.model[key][2], result)
             self.workers[key] = None
+            self.crashes[key] = 0
             if sends:
                 self.sends[key] = [sends, owner, False]
 
@@ -154,6 +173,7 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
             assert expected, "release accepted from a non-owner"
             self.model.pop(key, None)
             self.workers.pop(key, None)
+            self.crashes.pop(key, None)
             self.sends.pop(key, None)
             self.receipts.pop(key, None)
 
@@ -176,6 +196,7 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
             if wrote:
                 self.model[key] = (Status.COMPLETED, None, fp, result)
                 self.workers[key] = None
+                self.crashes[key] = 0
                 if sends:
                     self.sends[key] = [sends, token, False]
 
@@ -190,6 +211,8 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
                 assert record is not None
                 assert (record.status, record.owner, record.fingerprint, record.result) == entry
                 assert record.worker == self.workers.get(key)
+                assert record.crashes == self.crashes.get(key, 0)
+                assert (record.state == "quarantined") is (entry[0] is Status.QUARANTINED)
                 pending = self.sends.get(key)
                 assert record.sends == (pending[0] if pending else ())
                 assert record.sends_pending is (pending is not None)
@@ -205,6 +228,9 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
             stats = self.store.stats()
             in_progress = sum(1 for e in self.model.values() if e[0] is Status.IN_PROGRESS)
             assert (stats["keys"], stats["in_progress"]) == (len(self.model), in_progress)
+            quarantined = sum(1 for e in self.model.values() if e[0] is Status.QUARANTINED)
+            assert stats["quarantined"] == quarantined
+            assert stats["completed"] == len(self.model) - in_progress - quarantined
             assert stats["sends_pending"] == len(self.sends)
             assert sorted(self.store.pending_sends(0.0, 10)) == sorted(self.sends)
             awaited = [k for k, r in self.receipts.items() if r[1] is not None]

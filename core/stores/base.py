@@ -51,12 +51,14 @@ class StrEnum(str, enum.Enum):
 
 
 class Status(str, enum.Enum):
-    """The state of a key in a store: a claim or a handled key. (Each store keeps its own
-    spelling of it, with a third value for a handled key whose sends are pending, and turns
-    it into this in one place.)"""
+    """The state of a key in a store: a claim, a handled key, or a quarantined key (its
+    owners died ``crash_limit`` times running it). (Each store keeps its own spelling of it,
+    with another value for a handled key whose sends are pending, and turns it into this in
+    one place.)"""
 
     IN_PROGRESS = "in_progress"
     COMPLETED = "completed"
+    QUARANTINED = "quarantined"
 
 
 class State(StrEnum):
@@ -68,13 +70,15 @@ class State(StrEnum):
     COMPLETED = "completed"
     #: a lazy mark: the key was handled, never claimed
     MARKED = "marked"
+    #: a key whose owners died too often: not run again until released
+    QUARANTINED = "quarantined"
 
 
 class ClaimOutcome(str, enum.Enum):
     """What :meth:`StoreKeys.claim` did."""
 
     CLAIMED = "claimed"  # nothing (live) was recorded; the key is now ours
-    TAKEN_OVER = "taken_over"  # an expired claim of another owner is now ours
+    TAKEN_OVER = "taken_over"  # an expired claim of another owner is now ours (crashes + 1)
     EXISTS = "exists"  # a live claim, a mark, or a record with another fingerprint; see record
 
 
@@ -97,10 +101,12 @@ class Record:
 
     @property
     def state(self) -> State:
-        """The record in the docs' words: ``claimed``, ``completed`` (eager) or ``marked``
-        (lazy)."""
+        """The record in the docs' words: ``claimed``, ``completed`` (eager), ``marked``
+        (lazy) or ``quarantined``."""
         if self.status is Status.IN_PROGRESS:
             return State.CLAIMED
+        if self.status is Status.QUARANTINED:
+            return State.QUARANTINED
         return State.MARKED if self.marked else State.COMPLETED
 
     #: a handled record whose deferred sends are not all published yet (the hand-off)
@@ -110,6 +116,9 @@ class Record:
     #: sends published and awaiting their receipts, or given up on (:mod:`taskonce.receipts`'s
     #: JSON text), when the read returns them (``get`` does)
     receipts: str | None = None
+    #: how many times a claim of this key was taken over from a dead, silent or expired owner
+    #: (claims and quarantined records keep it; a completion or a release forgets it)
+    crashes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -182,6 +191,8 @@ class Claim:
 
     outcome: ClaimOutcome
     record: Record | None = None
+    #: ``TAKEN_OVER``: the key's take-overs from dead, silent or expired owners, this one too
+    crashes: int = 0
 
 
 class StoreKeys(abc.ABC):
@@ -202,21 +213,31 @@ class StoreKeys(abc.ABC):
 
         Claims when nothing live is recorded (an expired mark counts as nothing); takes over a
         claim whose lease has run out, unless its fingerprint differs from ``fingerprint`` (both
-        set). Otherwise changes nothing and returns the record found.
+        set), counting the take-over in the record (:attr:`Claim.crashes`). Otherwise
+        changes nothing and returns the record found (a quarantined record is never claimed).
         The claim record lives for ``lease + keep_for`` so a dead worker's claim stays visible.
         """
 
     @abc.abstractmethod
     def take_over(
         self, key: str, old_owner: str, owner: str, lease: float, keep_for: float, worker: str
-    ) -> bool:
+    ) -> int:
         """Hand ``old_owner``'s live claim of ``key`` to ``owner`` (of worker identity
-        ``worker``) for ``lease`` seconds, whatever its lease says (its owner is known dead).
+        ``worker``) for ``lease`` seconds, whatever its lease says (its owner is known dead),
+        and count the take-over in the record (:attr:`Record.crashes`).
 
-        Fenced: True only if the claim was still ``old_owner``'s; otherwise nothing changes
-        (someone else took it over, completed or released it first). The fingerprint and
-        ``created_at`` are kept; the record lives ``lease + keep_for`` from now.
+        Fenced: the key's take-overs so far, this one included (at least 1), only if the claim
+        was still ``old_owner``'s; otherwise 0 and nothing changes (someone else took it over,
+        completed or released it first). The fingerprint and ``created_at`` are kept; the
+        record lives ``lease + keep_for`` from now.
         """
+
+    @abc.abstractmethod
+    def quarantine(self, key: str, owner: str, keep_for: float) -> None:
+        """Turn ``owner``'s claim into a quarantined record kept ``keep_for`` seconds (its
+        fingerprint, ``created_at`` and take-over count kept): a claim that would not be run,
+        because its owners died too often. :class:`LeaseLost` if the claim is no longer
+        ``owner``'s. Only an operator's :meth:`release` (``owner=None``) removes it early."""
 
     @abc.abstractmethod
     def complete(
@@ -357,8 +378,8 @@ class StoreOperations(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> Mapping[str, int]:
-        """Counts of live records: ``keys``, ``in_progress``, ``completed``, ``expired``,
-        ``sends_pending``: records whose deferred sends are not all published, and
+        """Counts of live records: ``keys``, ``in_progress``, ``completed``, ``quarantined``,
+        ``expired``, ``sends_pending``: records whose deferred sends are not all published, and
         ``receipts_awaited``: records with published sends whose receipts are awaited."""
 
     def records(self, key_prefix: str = "") -> Iterator[Record]:
@@ -396,11 +417,11 @@ class StoreOperations(abc.ABC):
 class Store(StoreKeys, StoreLiveness, StoreSends, StoreReceipts, StoreOperations):
     """A place to record claims and marks. Implementations: memory, Redis, SQL.
 
-    The contract in five parts: :class:`StoreKeys` (claim, take_over, complete, release,
-    renew, mark, get), :class:`StoreLiveness` (beat, seen), :class:`StoreSends` (take_sends,
-    dispatched, pending_sends), :class:`StoreReceipts` (take_receipts, settle_receipts,
-    have_records, due_for_relay) and :class:`StoreOperations` (purge, stats, records,
-    keys_ending, close, describe). Stores that can write inside the caller's database
+    The contract in five parts: :class:`StoreKeys` (claim, take_over, quarantine, complete,
+    release, renew, mark, get), :class:`StoreLiveness` (beat, seen), :class:`StoreSends`
+    (take_sends, dispatched, pending_sends), :class:`StoreReceipts` (take_receipts,
+    settle_receipts, have_records, due_for_relay) and :class:`StoreOperations` (purge, stats,
+    records, keys_ending, close, describe). Stores that can write inside the caller's database
     transaction also implement :class:`TransactionalStore`.
 
     Stores are opened in a parent process and used in forked children (Celery prefork,

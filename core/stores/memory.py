@@ -45,6 +45,7 @@ class _Entry:
     sends_lease: float = 0.0  # a dispatcher's lease on them (or on the receipts) runs until
     receipts: str | None = None  # published sends awaiting receipts (taskonce.receipts)
     receipts_due: float | None = None  # when the relay should look at them; None: given up
+    crashes: int = 0  # take-overs from dead, silent or expired owners
 
 
 class MemoryStore(Store):
@@ -92,6 +93,7 @@ class MemoryStore(Store):
             sends_pending=bool(entry.sends),
             sends=entry.sends,
             receipts=entry.receipts,
+            crashes=entry.crashes,
         )
 
     def _owned(self, key: str, owner: str, now: float, operation: str) -> _Entry:
@@ -123,6 +125,7 @@ class MemoryStore(Store):
                 if not (expired_claim and same_payload):
                     return Claim(ClaimOutcome.EXISTS, self._record(key, entry, now))
                 outcome = ClaimOutcome.TAKEN_OVER
+            crashes = 0 if entry is None else entry.crashes + 1
             self._entries[key] = _Entry(
                 status=Status.IN_PROGRESS,
                 owner=owner,
@@ -132,22 +135,33 @@ class MemoryStore(Store):
                 expires_at=now + lease + keep_for,
                 lease_until=now + lease,
                 worker=worker,
+                crashes=crashes,
             )
-            return Claim(outcome)
+            return Claim(outcome, crashes=crashes)
 
     def take_over(
         self, key: str, old_owner: str, owner: str, lease: float, keep_for: float, worker: str
-    ) -> bool:
+    ) -> int:
         with self._lock:
             now = self._clock()
             entry = self._live(key, now)
             if entry is None or entry.status is not Status.IN_PROGRESS or entry.owner != old_owner:
-                return False
+                return 0
             entry.owner = owner
             entry.worker = worker
             entry.lease_until = now + lease
             entry.expires_at = now + lease + keep_for
-            return True
+            entry.crashes += 1
+            return entry.crashes
+
+    def quarantine(self, key: str, owner: str, keep_for: float) -> None:
+        with self._lock:
+            now = self._clock()
+            entry = self._owned(key, owner, now, "quarantine")
+            entry.status = Status.QUARANTINED
+            entry.owner = entry.worker = None
+            entry.lease_until = 0.0
+            entry.expires_at = now + keep_for
 
     def beat(self, worker: str, ttl: float) -> None:
         with self._lock:
@@ -177,6 +191,7 @@ class MemoryStore(Store):
             entry.status = Status.COMPLETED
             entry.owner = None
             entry.worker = None
+            entry.crashes = 0
             entry.result = result
             entry.expires_at = now + keep_for  # lease_until stays: the record was claimed
             if sends:
@@ -328,10 +343,12 @@ class MemoryStore(Store):
             entries = list(self._entries.values())
         live = [e for e in entries if e.expires_at > now]
         in_progress = sum(1 for e in live if e.status is Status.IN_PROGRESS)
+        quarantined = sum(1 for e in live if e.status is Status.QUARANTINED)
         return {
             "keys": len(live),
             "in_progress": in_progress,
-            "completed": len(live) - in_progress,
+            "completed": len(live) - in_progress - quarantined,
+            "quarantined": quarantined,
             "expired": len(entries) - len(live),
             "sends_pending": sum(1 for e in entries if e.sends),
             "receipts_awaited": sum(1 for e in live if e.receipts_due is not None),

@@ -183,6 +183,26 @@ def bare(table: str, label: str, hang_first: bool = False) -> str:
     return label
 
 
+@guarded_task(acks_late=True, reject_on_worker_lost=True, name="t.crash")
+def crash(self: Any, table: str, label: str, heal_file: str = "") -> str:
+    """Counts its run, then SIGKILLs its own pool process (an OOM kill, a segfaulting C
+    extension) on every run, until ``heal_file`` exists (crash-loop quarantine)."""
+    count_run(table, self, label)
+    if not (heal_file and os.path.exists(heal_file)):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return label
+
+
+@app.task(
+    shared=False, bind=True, acks_late=True, reject_on_worker_lost=True, name="t.crash_unguarded"
+)
+def crash_unguarded(self: Any, table: str, label: str) -> str:
+    """``t.crash`` without taskonce (the control): Celery redelivers it after every kill."""
+    count_run(table, self, label)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return label
+
+
 @guarded_task(acks_late=True, idempotency={"lease": 300.0}, name="t.record_default_lease")
 def record_default_lease(self: Any, table: str, label: str, sleep: float = 0.0) -> str:
     """``t.record`` with the Policy's default lease (300 s) instead of the stack's short one,

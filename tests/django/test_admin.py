@@ -143,6 +143,27 @@ def test_release_asks_first_then_releases_the_selected_records_only(
     assert left == sorted([HANDLED, OTHER, EXPIRED])
 
 
+def test_a_quarantined_key_is_shown_filtered_and_re_armed_by_release(
+    store: Any, users: dict[str, Any]
+) -> None:
+    put_records(store)
+    key = "payments:m-crashing"
+    store.claim(key, "w1", 300, 3600, None, "host:1:0")
+    assert store.take_over(key, "w1", "w2", 300, 3600, "host:2:0") == 1
+    store.quarantine(key, "w2", 3600)
+    c = client(users["admin"])
+    html = c.get(LIST).content.decode()
+    assert '<td class="field-state">quarantined</td>' in html
+    assert 'href="?state=quarantined"' in html
+    assert listed(c.get(LIST, {"state": "quarantined"})) == [key]
+    assert key not in listed(c.get(LIST, {"state": "handled"}))
+    chosen = {"action": "release_selected", "_selected_action": [key], "post": "yes"}
+    response = c.post(LIST, chosen, follow=True)
+    assert "Released 1 record(s)." in response.content.decode()
+    assert store.get(key) is None
+    assert store.claim(key, "w3", 300, 3600, None, "host:3:0").crashes == 0  # runs again
+
+
 def test_a_viewer_sees_the_records_but_cannot_release(store: Any, users: dict[str, Any]) -> None:
     put_records(store)
     c = client(users["viewer"])

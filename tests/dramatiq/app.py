@@ -332,6 +332,20 @@ def build(config: Config) -> App:
         if runs.record(table) == 1:
             time.sleep(60)
 
+    @actor(main, max_retries=0)
+    def crash_loop(table: str, heal_file: str) -> None:
+        """Counts its run, then SIGKILLs its own worker process (an OOM kill, a segfaulting C
+        extension) on every run until ``heal_file`` exists (crash-loop quarantine)."""
+        runs.record(table)
+        if not os.path.exists(heal_file):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    @actor(main, idempotency=False, max_retries=0)
+    def crash_loop_unguarded(table: str) -> None:
+        """``crash_loop`` without taskonce (the control)."""
+        runs.record(table)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     @actor(txn, idempotency={"lease": 3}, max_retries=0)
     def txn_crash(table: str, effects: str, amount: int) -> None:
         _write_effect(effects, amount)

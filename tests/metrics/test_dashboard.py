@@ -24,6 +24,7 @@ def exposed() -> set[str]:
     sink.emit({**base, "event": "lease_taken_over", "reason": "owner_dead", "recovery_s": 0.5})
     sink.emit({**base, "event": "completed", "duration_ms": 3.0})
     sink.emit({**base, "event": "sends_deferred", "count": 2})
+    sink.emit({**base, "event": "quarantined", "reason": "owner_dead", "count": 4})
     registry.register(PendingSendsCollector(taskonce.open_store("memory://")))
     return {s.name for metric in registry.collect() for s in metric.samples}
 

@@ -292,6 +292,38 @@ def test_durations_that_are_no_number_are_unknown(spark: Any, tmp_path: Path) ->
     assert "nan" not in (out / "report.md").read_text(encoding="utf-8").lower()
 
 
+def test_a_crash_loop_is_counted_as_quarantined_not_stuck(spark: Any, tmp_path: Path) -> None:
+    """A key whose handler killed its worker on every run: one claim, three take-overs, then a
+    delivery that quarantined it (a failure: dead-lettered), then a copy skipped as
+    quarantined. The quarantine ends the last dead owner's claim: nothing is stuck."""
+    from taskonce.spark_ext import audit
+
+    e = worked.event
+    key = "crashy:k"
+    events = [
+        e(0, "claimed", key, "crashy", worker="w:1"),
+        e(5, "lease_taken_over", key, "crashy", worker="w:2", reason="owner_dead"),
+        e(10, "lease_taken_over", key, "crashy", worker="w:3", reason="owner_dead"),
+        e(15, "lease_taken_over", key, "crashy", worker="w:4", reason="owner_dead"),
+        {**e(20, "quarantined", key, "crashy", worker="w:5", reason="owner_dead"), "count": 4},
+        e(600, "duplicate_skipped", key, "crashy", worker="w:5", reason="quarantined"),
+        e(601, "claimed", "calm:k", "calm"),
+        e(602, "completed", "calm:k", "calm"),
+    ]
+    path = worked.write_jsonl(tmp_path / "crashy.jsonl", events, malformed=False)
+    out = tmp_path / "out"
+    audit(spark, [str(path)], out=str(out), charts=False)
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    overall = report["overall"]
+    assert (overall["quarantined"], overall["takeovers"], overall["runs"]) == (1, 3, 5)
+    assert (overall["deliveries"], overall["failures"], overall["stuck_claims"]) == (7, 1, 0)
+    assert overall["duplicates_skipped"] == 1
+    assert report["queues"]["crashy"]["quarantined"] == 1
+    assert report["queues"]["calm"]["quarantined"] == 0
+    assert report["tasks"]["t.crashy"]["quarantined"] == 1
+    assert "quarantined" in (out / "report.md").read_text(encoding="utf-8")
+
+
 @pytest.mark.parametrize("values", [(3600, 7200), (7200, 3600)])
 def test_keep_for_in_force_on_a_tie_is_the_longest(
     spark: Any, tmp_path: Path, values: tuple[int, int]

@@ -171,6 +171,7 @@ def metrics(**values: float) -> dict[str, Any]:
         "failures": 0,
         "releases": 0,
         "takeovers": 0,
+        "quarantined": 0,
         "leaks": 0,
         "near_misses": 0,
         "stuck_claims": 0,

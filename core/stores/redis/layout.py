@@ -12,13 +12,15 @@ listpack hash of the same fields was 232.
 The layout, the first character saying which (``|`` separates fields; text fields never hold
 one, see :func:`safe`; numbers are hexadecimal)::
 
-    i<owner>|<created>|<lease>|<fp>|<worker>       a claim (in progress; both numbers 11 digits)
+    i<owner>|<created>|<lease>|<fp>|<worker>[|<crashes>]
+                                                   a claim (in progress; both numbers 11 digits)
     c<created>|<fp>[|<result>]                     completed (an eager claim's completion)
     m<created>|<fp>[|<result>]                     marked (lazy)
     p<created>|<fp>|<token>|<recorded>|<dispatch>|<n>|<sends>[|<result>]
     q…                                             as p, for a lazy mark
     a<created>|<fp>|<token>|<due>|<dispatch>|<n>|<entries>[|<result>]
     b…                                             as a, for a lazy mark
+    x<created>|<fp>|<crashes>                      quarantined (its owners died too often)
 
 ``p``/``q``: completed or marked with deferred sends still to publish: their dispatch
 ``token``, when they were ``recorded``, the end of a dispatcher's lease (``dispatch``), and
@@ -47,6 +49,10 @@ writes it with ``%x``, a fraction of the instructions of decimal's ``strtod`` an
 the completion's path, and it is shorter; a claim's two numbers have a fixed width, so the
 completion finds them without a search.
 
+``crashes``: how many times a claim of the key was taken over from a dead, silent or expired
+owner (``Policy.crash_limit``). A new claim has none (the field is left out, so it costs a
+first claim nothing); the take-overs write it, a renewal keeps it, a completion drops it.
+
 ``result`` is the last field (it may hold anything); ``sends`` is length-prefixed for the same
 reason. ``fp``, ``owner``, ``worker`` and ``token`` are written by :func:`packed_fp` and
 :func:`safe`, so none holds a ``|``; an absent one is empty.
@@ -64,7 +70,10 @@ from typing import Any
 #: the kinds a record starts with
 CLAIM, COMPLETED, MARKED, SENDING, MARKED_SENDING = "i", "c", "m", "p", "q"
 AWAITING, MARKED_AWAITING = "a", "b"
-KINDS = frozenset((CLAIM, COMPLETED, MARKED, SENDING, MARKED_SENDING, AWAITING, MARKED_AWAITING))
+QUARANTINED = "x"
+KINDS = frozenset(
+    (CLAIM, COMPLETED, MARKED, SENDING, MARKED_SENDING, AWAITING, MARKED_AWAITING, QUARANTINED)
+)
 _HEX = re.compile(r"(?:[0-9a-f]{2})+")
 _UNSAFE = re.compile(r"[|~]")
 
@@ -170,6 +179,8 @@ class Fields:
     receipts: str | None = None
     #: their due time (ms before the expiry), None when none is awaited any more
     due: int | None = None
+    #: take-overs of the key from dead owners (claims, quarantined records)
+    crashes: int = 0
 
 
 def parse(value: Any) -> Fields | None:
@@ -189,7 +200,9 @@ def _parse(raw: bytes) -> Fields | None:
     if kind not in KINDS:
         return None
     if kind == CLAIM:
-        owner, created, lease, fp, worker = raw[1:].decode("utf-8").split("|")
+        owner, created, lease, fp, worker, *crashes = raw[1:].decode("utf-8").split("|")
+        if len(crashes) > 1:
+            return None
         return Fields(
             kind,
             int(created, 16),
@@ -197,7 +210,11 @@ def _parse(raw: bytes) -> Fields | None:
             owner=unsafe(owner),
             lease=int(lease, 16),
             worker=unsafe(worker),
+            crashes=int(crashes[0], 16) if crashes else 0,
         )
+    if kind == QUARANTINED:
+        created, fp, count = raw[1:].decode("ascii").split("|")
+        return Fields(kind, int(created, 16), unpacked_fp(fp), crashes=int(count, 16))
     if kind in (COMPLETED, MARKED):
         parts = raw[1:].split(b"|", 2)
         result = parts[2].decode("utf-8") if len(parts) > 2 else None
@@ -229,6 +246,7 @@ __all__ = [
     "MARKED",
     "MARKED_AWAITING",
     "MARKED_SENDING",
+    "QUARANTINED",
     "SENDING",
     "Fields",
     "claim_record",

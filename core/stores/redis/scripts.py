@@ -30,6 +30,7 @@ from redis.commands.core import Script
 NAMES = (
     "claim",
     "take_over",
+    "quarantine",
     "beat",
     "seen",
     "complete",
@@ -66,6 +67,7 @@ class Scripts:
 
     claim: Script
     take_over: Script
+    quarantine: Script
     beat: Script
     seen: Script
     complete: Script

@@ -266,14 +266,23 @@ class RedisStore(RedisReceipts, Store):
                     "record (another program's key under this store's prefix?)"
                 )
             return Claim(ClaimOutcome.EXISTS, found)
-        return Claim(ClaimOutcome.CLAIMED if int(reply) == 1 else ClaimOutcome.TAKEN_OVER)
+        if int(reply) == 1:
+            return Claim(ClaimOutcome.CLAIMED)
+        return Claim(ClaimOutcome.TAKEN_OVER, crashes=int(reply) - 1)
 
     def take_over(
         self, key: str, old_owner: str, owner: str, lease: float, keep_for: float, worker: str
-    ) -> bool:
+    ) -> int:
         """Hand ``old_owner``'s live claim to ``owner`` (one EVALSHA, fenced by the old token)."""
         args = (safe(old_owner), safe(owner), ms(lease), ms(keep_for), safe(worker))
-        return bool(int(self._run("take_over", self._scripts.take_over, key, args)))
+        return int(self._run("take_over", self._scripts.take_over, key, args))
+
+    def quarantine(self, key: str, owner: str, keep_for: float) -> None:
+        """Turn ``owner``'s claim into a quarantined record (one EVALSHA, fenced)."""
+        if not int(
+            self._run("quarantine", self._scripts.quarantine, key, (safe(owner), ms(keep_for)))
+        ):
+            raise LeaseLost(key, "quarantine")
 
     def beat(self, worker: str, ttl: float) -> None:
         """Write ``worker``'s liveness record (one EVALSHA, judged by the Redis clock)."""
@@ -421,7 +430,7 @@ class RedisStore(RedisReceipts, Store):
         pattern = self._pattern()
 
         def count() -> dict[str, int]:
-            counts = {"in_progress": 0, "completed": 0}
+            counts = {"in_progress": 0, "completed": 0, "quarantined": 0}
             batch: list[Any] = []
             for name in self._client.scan_iter(match=pattern, count=1000):
                 batch.append(name)
@@ -430,9 +439,8 @@ class RedisStore(RedisReceipts, Store):
                     batch = []
             self._count_batch(batch, counts)
             return {
-                "keys": counts["in_progress"] + counts["completed"],
-                "in_progress": counts["in_progress"],
-                "completed": counts["completed"],
+                "keys": sum(counts.values()),
+                **counts,
                 "expired": 0,
                 "sends_pending": self._sends_pending(),
                 "receipts_awaited": self._awaited(),
@@ -456,6 +464,8 @@ class RedisStore(RedisReceipts, Store):
             kind = None if isinstance(value, Exception) else layout.kind_of(value)
             if kind == layout.CLAIM:
                 counts["in_progress"] += 1
+            elif kind == layout.QUARANTINED:
+                counts["quarantined"] += 1
             elif kind is not None:  # else a foreign key under our prefix
                 counts["completed"] += 1
 
@@ -539,9 +549,10 @@ def _as_record(key: str, now: int, pttl: int, fields: Fields) -> Record:
     expiry)."""
     expires = now + pttl
     claimed = fields.kind == layout.CLAIM
+    status = Status.QUARANTINED if fields.kind == layout.QUARANTINED else Status.COMPLETED
     return Record(
         key=key,
-        status=Status.IN_PROGRESS if claimed else Status.COMPLETED,
+        status=Status.IN_PROGRESS if claimed else status,
         owner=fields.owner,
         fingerprint=fields.fingerprint,
         result=fields.result,
@@ -553,6 +564,7 @@ def _as_record(key: str, now: int, pttl: int, fields: Fields) -> Record:
         sends_pending=fields.kind in (layout.SENDING, layout.MARKED_SENDING),
         sends=fields.sends,
         receipts=fields.receipts,
+        crashes=fields.crashes,
     )
 
 

@@ -5,6 +5,7 @@ The keys table::
 
     key          VARCHAR(255) PRIMARY KEY    -- binary (case- and space-exact) on MariaDB/MySQL
     status       VARCHAR(16)  NOT NULL       -- 'in_progress' | 'completed' | 'sending'
+                                             -- | 'quarantined'
     owner        VARCHAR(64)  NULL           -- the claim's owner token, NULL for marks
     fingerprint  VARCHAR(64)  NULL
     result       TEXT         NULL           -- LONGTEXT on MariaDB/MySQL
@@ -20,6 +21,7 @@ The keys table::
     sends_lease  DOUBLE       NULL           -- a dispatcher's (or a relay's) lease runs until
     receipts     TEXT         NULL           -- published sends awaiting their receipts (JSON),
                                              -- or given up on (sends_at NULL: kept for inspect)
+    crashes      INTEGER      NULL           -- take-overs from dead owners (claims, quarantined)
 
 and, next to it, the worker processes' liveness records (``<table>_live``)::
 
@@ -32,7 +34,7 @@ two share the dispatch token, due time and lease columns, and one index serves b
 the relay's work. ``status`` tells them apart: ``'sending'`` with ``sends_at`` set means sends
 pending; ``'completed'`` with ``sends_at`` set means receipts awaited (``receipts`` set). A
 record replacing an expired one starts with all of them NULL. A keys table created before the
-``worker`` column (or the hand-off's, or the receipts') existed gains it on first use.
+``worker`` column (or the hand-off's, the receipts', ``crashes``) existed gains it on first use.
 """
 
 from __future__ import annotations
@@ -74,11 +76,15 @@ class Stored(StrEnum):
     COMPLETED = Status.COMPLETED.value
     #: completed, its deferred sends not all published yet (the hand-off)
     SENDING = "sending"
+    #: quarantined: its owners died too often (``Policy.crash_limit``)
+    QUARANTINED = Status.QUARANTINED.value
 
     @property
     def status(self) -> Status:
         """The :class:`~taskonce.stores.base.Status` a record with this column has."""
-        return Status.IN_PROGRESS if self is Stored.IN_PROGRESS else Status.COMPLETED
+        if self is Stored.SENDING:
+            return Status.COMPLETED
+        return Status(self.value)
 
 
 _STORED: dict[str, Stored] = {stored.value: stored for stored in Stored}
@@ -153,6 +159,9 @@ def make_table(metadata: sa.MetaData, name: str, schema: str | None, **dialect_k
         # sends_at, free once the sends were published). NULL on every other record, so it
         # costs a row a bit of its null bitmap and no index entry.
         sa.Column("receipts", result_type, nullable=True),
+        # Take-overs from dead, silent or expired owners (crash-loop quarantine): NULL (none)
+        # on almost every row.
+        sa.Column("crashes", sa.Integer(), nullable=True),
         schema=schema,
         **dialect_kw,
     )
@@ -286,8 +295,8 @@ def check_worker(worker: str | None) -> None:
 def to_record(row: Any) -> Record:
     """The one translation of a stored row into a :class:`~taskonce.stores.base.Record`: a
     row of the store's reads, which start with ``key, status, owner, fingerprint, result,
-    created_at, expires_at`` and name ``lease_remaining``, ``worker``, ``lease_until`` and
-    (in full reads) ``sends`` and ``receipts``."""
+    created_at, expires_at`` and name ``lease_remaining``, ``worker``, ``lease_until``,
+    ``crashes`` and (in full reads) ``sends`` and ``receipts``."""
     key, status, owner, fingerprint, result, created_at, expires_at = row[:7]
     stored = _STORED[status]
     pending = stored is Stored.SENDING
@@ -303,10 +312,11 @@ def to_record(row: Any) -> Record:
         lease_remaining=float(row.lease_remaining),
         worker=row.worker,
         # a completion keeps its claim's lease_until; a lazy mark has none
-        marked=stored is not Stored.IN_PROGRESS and not float(row.lease_until),
+        marked=stored.status is Status.COMPLETED and not float(row.lease_until),
         sends_pending=pending,
         sends=tuple(json.loads(sends)) if sends else (),
         receipts=row._mapping.get("receipts"),
+        crashes=int(row.crashes or 0),
     )
 
 

@@ -57,6 +57,7 @@ class _Binds:
         self.in_progress = sa.literal(Stored.IN_PROGRESS.value, sa.String())
         self.completed = sa.literal(Stored.COMPLETED.value, sa.String())
         self.sending = sa.literal(Stored.SENDING.value, sa.String())
+        self.quarantined = sa.literal(Stored.QUARANTINED.value, sa.String())
         self.zero = sa.literal(0.0, _DOUBLE)
 
     def with_sends(self) -> dict[str, Any]:
@@ -80,6 +81,7 @@ class _Binds:
             "sends_at": sa.null(),
             "sends_lease": sa.null(),
             "receipts": sa.null(),
+            "crashes": sa.null(),
         }
 
     def awaiting(self, expires_at: sa.ColumnElement[float]) -> dict[str, Any]:
@@ -178,6 +180,7 @@ class Statements:
             b.now.label("db_now"),
             c.worker,
             c.receipts,  # a duplicate's answer shows what its record awaits (None: nothing)
+            c.crashes,
         ).where(c.key == b.key)
         # An expired record (mark or claim) counts as absent: replace it wholesale, provided
         # it is still the record that was read and still expired.
@@ -202,6 +205,7 @@ class Statements:
                 c.expires_at > b.now,
             )
             .values({k: v for k, v in claimed.items() if k not in ("status", "created_at")})
+            .values(crashes=sa.func.coalesce(c.crashes, 0) + 1)
         )
         # A live claim whose owner is known dead: hand it on, fenced by the owner read.
         self.take_over = (
@@ -217,7 +221,12 @@ class Statements:
                 worker=b.worker,
                 lease_until=b.now + b.lease,
                 expires_at=b.now + b.lease + b.keep,
+                crashes=sa.func.coalesce(c.crashes, 0) + 1,
             )
+        )
+        # The count a take-over wrote, read back by its new owner (fenced by the token).
+        self.crashes = sa.select(c.crashes).where(
+            c.key == b.key, c.owner == b.owner, c.status == b.in_progress
         )
 
     def _liveness(self, live_table: sa.Table) -> None:
@@ -258,6 +267,15 @@ class Statements:
                 worker=sa.null(),
                 result=b.result,
                 expires_at=b.now + b.keep,
+                crashes=sa.null(),
+            )
+        )
+        # A claim whose owners died too often: kept keep_for, never claimed, until released.
+        self.quarantine = (
+            sa.update(table)
+            .where(*fence)
+            .values(
+                status=b.quarantined, owner=sa.null(), worker=sa.null(), expires_at=b.now + b.keep
             )
         )
         self.complete_sends = self.complete.values(b.with_sends())
@@ -426,6 +444,7 @@ class Statements:
             c.lease_until,
             c.sends,
             c.receipts,
+            c.crashes,
         )
         self.get = sa.select(*record_columns).where(c.key == b.key, c.expires_at > b.now)
         # p_pattern: a LIKE pattern with "/" as its escape character (see SQLStore.records)
@@ -443,7 +462,10 @@ class Statements:
         self.stats = sa.select(
             count(alive).label("keys"),
             count(sa.and_(alive, c.status == b.in_progress)).label("in_progress"),
-            count(sa.and_(alive, c.status != b.in_progress)).label("completed"),
+            count(sa.and_(alive, c.status != b.in_progress, c.status != b.quarantined)).label(
+                "completed"
+            ),
+            count(sa.and_(alive, c.status == b.quarantined)).label("quarantined"),
             count(c.expires_at <= b.now).label("expired"),
             count(c.status == b.sending).label("sends_pending"),
             count(awaited).label("receipts_awaited"),

@@ -280,7 +280,8 @@ class SQLStore(SQLTransactions, SQLReceipts):
                 seen = {**params, "p_seen_owner": seen_owner}
                 if _rowcount(connection.execute(sql.claim_take_over, seen)) == 1:
                     logger.debug("key %s: took over the expired claim of %s", key, seen_owner)
-                    return Claim(ClaimOutcome.TAKEN_OVER)
+                    # fenced by the owner read with this count: the update added one to it
+                    return Claim(ClaimOutcome.TAKEN_OVER, crashes=int(row.crashes or 0) + 1)
                 logger.debug("key %s: lost a take-over race; reading again", key)
         raise StoreUnavailable(
             f"SQL store {self._redacted}: claim of {key!r} kept losing races with other "
@@ -289,7 +290,7 @@ class SQLStore(SQLTransactions, SQLReceipts):
 
     def take_over(
         self, key: str, old_owner: str, owner: str, lease: float, keep_for: float, worker: str
-    ) -> bool:
+    ) -> int:
         check_token("owner", owner)
         check_worker(worker)
         params = {
@@ -301,7 +302,17 @@ class SQLStore(SQLTransactions, SQLReceipts):
             "p_worker": worker,
         }
         with self._connect("take_over") as connection:
-            return _rowcount(connection.execute(self._sql.take_over, params)) == 1
+            if _rowcount(connection.execute(self._sql.take_over, params)) != 1:
+                return 0
+            crashes = connection.execute(self._sql.crashes, params).scalar_one_or_none()
+        return int(crashes or 1)  # gone again at once (released): this take-over was one
+
+    def quarantine(self, key: str, owner: str, keep_for: float) -> None:
+        params = {"p_key": key, "p_owner": owner, "p_keep": float(keep_for)}
+        with self._connect("quarantine") as connection:
+            count = _rowcount(connection.execute(self._sql.quarantine, params))
+        if count != 1:
+            raise LeaseLost(key, "quarantine")
 
     def beat(self, worker: str, ttl: float) -> None:
         """One UPDATE; the first beat of a worker also INSERTs its row."""

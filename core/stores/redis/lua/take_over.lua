@@ -1,7 +1,9 @@
--- Hand a live claim whose owner is known dead to a new owner (fenced by the old owner token).
--- The fingerprint and the first claim's time are kept.
+-- Hand a live claim whose owner is known dead to a new owner (fenced by the old owner token),
+-- counting the take-over in the claim's crashes field (layout.py). The fingerprint and the
+-- first claim's time are kept.
 -- KEYS[1] record; ARGV old owner, new owner, lease_ms, keep_ms, worker.
--- Reply: 1 taken over, 0 the live record is not the old owner's claim (nothing changed).
+-- Reply: the key's take-overs so far (this one included, >= 1), or 0 when the live record is
+-- not the old owner's claim (nothing changed).
 if redis.replicate_commands then redis.replicate_commands() end
 
 local v = redis.call('GET', KEYS[1])
@@ -11,7 +13,11 @@ if not v or string.byte(v) ~= 105 or string.byte(v, n + 2) ~= 124
     or string.find(v, o, 2, true) ~= 2 then return 0 end
 local ttl = tonumber(ARGV[3]) + tonumber(ARGV[4])
 local created = ttl + tonumber(string.sub(v, n + 3, n + 13), 16) - redis.call('PTTL', KEYS[1])
+-- i<owner>|<created:11>|<lease:11>|<fp>|<worker>[|<crashes>]
+local d = string.find(v, '|', n + 27, true)
+local e = string.find(v, '|', d + 1, true)
+local crashes = (e and tonumber(string.sub(v, e + 1), 16) or 0) + 1
 redis.call('SET', KEYS[1], 'i' .. ARGV[2] .. '|' .. string.format('%011x', created) .. '|' ..
-           string.format('%011x', ARGV[4]) ..
-           string.sub(v, n + 26, string.find(v, '|', n + 27, true)) .. ARGV[5], 'PX', ttl)
-return 1
+           string.format('%011x', ARGV[4]) .. string.sub(v, n + 26, d) .. ARGV[5] .. '|' ..
+           string.format('%x', crashes), 'PX', ttl)
+return crashes
