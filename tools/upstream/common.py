@@ -107,6 +107,8 @@ class Outcome:
 
     outcome: str  # passed, failed, error, skipped, xfailed
     reason: str = ""
+    #: taskonce's warnings and errors logged during the failing phase
+    taskonce_log: list[str] = dataclasses.field(default_factory=list)
 
 
 def source_version(path: Path, package: str) -> str:
@@ -158,7 +160,9 @@ def read_outcomes(path: Path) -> dict[str, Outcome]:
         if outcome == "failed":
             # a failure wins over anything; an error in set-up/tear-down is "error"
             if current is None or current.outcome not in FAILING:
-                tests[test] = Outcome("failed" if when == "call" else "error", reason)
+                tests[test] = Outcome(
+                    "failed" if when == "call" else "error", reason, line.get("taskonce_log", [])
+                )
         elif outcome == "skipped":
             if current is None or current.outcome == "passed":
                 tests[test] = Outcome("xfailed" if line.get("xfail") else "skipped", reason)
@@ -294,6 +298,8 @@ def report(
     print(f"failing only with {guarded}: {len(only_guarded)}")
     for test in only_guarded:
         print(f"  {test}\n      {other[test].outcome}: {_first_line(other[test].reason)}")
+        for note in other[test].taskonce_log[:2]:
+            print(f"      log: {_first_line(note)}")
     if by_design:
         print(f"failing only with {guarded}, by design: {len(by_design)}")
         for test in by_design:

@@ -23,6 +23,20 @@ def _reason(report: pytest.TestReport) -> str:
     return str(report.longrepr or "")
 
 
+def _taskonce_log(report: pytest.TestReport) -> list[str]:
+    """taskonce's warnings and errors in the phase's captured log: why a test that only timed
+    out failed (a task refused in the worker shows there, not in the test's exception)."""
+    seen: list[str] = []
+    for name, content in report.sections:
+        if "log" not in name:
+            continue
+        for text in content.splitlines():
+            if "taskonce" in text and ("ERROR" in text or "WARNING" in text):
+                if text not in seen:
+                    seen.append(text[:1000])
+    return seen[:5]
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Append this phase's outcome (and, when it did not pass, its reason)."""
     path = os.environ.get(RESULTS_ENV)
@@ -31,6 +45,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     line: dict[str, Any] = {"test": report.nodeid, "when": report.when, "outcome": report.outcome}
     if report.outcome != "passed":
         line["reason"] = _reason(report)[:2000]
+        notes = _taskonce_log(report)
+        if notes:
+            line["taskonce_log"] = notes
     if hasattr(report, "wasxfail"):
         line["xfail"] = True
     line["duration"] = round(report.duration, 3)
