@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--deadline-minutes", type=float,
-        help="stop both runs after this long; the tests finished by then are compared",
+        help="stop a variant's run after this long; the tests finished by then are compared",
     )  # fmt: skip
     parser.add_argument(
         "--allow-version-mismatch", action="store_true",

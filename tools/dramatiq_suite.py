@@ -16,7 +16,8 @@ the machine's shared RabbitMQ, and the benchmarks need pytest-benchmark. Memcach
 parametrizations skip unless pylibmc and a memcached server are there.
 
 Prints each variant's counts and the tests failing only with the middleware, with their
-reasons; exit status 1 when there is one.
+reasons; exit status 1 when there is one. The variants run one after the other unless
+``--parallel``: Dramatiq's CLI tests write fixed paths in ``/tmp`` (``/tmp/dramatiq-cli-*``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ INTENDED = {
     "tests/test_broker.py::test_can_instantiate_brokers_without_middleware": (
         "asserts a broker built with middleware=[] has none; the run appends "
         "IdempotencyMiddleware to every broker built, this one too"
+    ),
+    "tests/test_redis.py::test_redis_join_race_condition": (
+        "counts the queue from inside an actor right after it sent a delayed message; with "
+        "taskonce an actor's sends are published after its outcome is recorded (the hand-off), "
+        "so the count inside the actor is 2, not 4"
     ),
 }
 
@@ -59,14 +65,16 @@ def main(argv: list[str] | None = None) -> int:
         help="taskonce's store: database 1 of the variant's redis-server (default), or memory",
     )  # fmt: skip
     parser.add_argument(
-        "--sequential", action="store_true", help="run the variants one after the other"
-    )
+        "--parallel", action="store_true",
+        help="run both variants at once (by default one after the other: the CLI tests write "
+        "fixed files in /tmp that two runs would share)",
+    )  # fmt: skip
     parser.add_argument(
         "--timeout", type=float, default=300, help="seconds a test may take (default 300)"
     )
     parser.add_argument(
         "--deadline-minutes", type=float,
-        help="stop both runs after this long; the tests finished by then are compared",
+        help="stop a variant's run after this long; the tests finished by then are compared",
     )  # fmt: skip
     parser.add_argument(
         "--allow-version-mismatch", action="store_true",
@@ -99,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         pytest_args=pytest_args,
         plugins=["taskonce_upstream_dramatiq"],
         out=args.out,
-        parallel=not args.sequential,
+        parallel=args.parallel,
         deadline_minutes=args.deadline_minutes,
     )
     return report(

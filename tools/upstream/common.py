@@ -196,8 +196,7 @@ def run_variants(
     each variant's outcomes. Logs and result lines go to ``out/<variant>.*``."""
     out = out.resolve()  # redis-server opens its log file after changing to its --dir
     out.mkdir(parents=True, exist_ok=True)
-    started: list[tuple[Variant, RedisServer, subprocess.Popen[bytes], Path]] = []
-    deadline = None if deadline_minutes is None else time.monotonic() + deadline_minutes * 60
+    started: list[tuple[Variant, RedisServer, subprocess.Popen[bytes], Path, float | None]] = []
     results: dict[str, dict[str, Outcome]] = {}
     try:
         for variant in variants:
@@ -210,6 +209,11 @@ def run_variants(
                 {
                     "PYTHONPATH": os.pathsep.join(
                         [str(SITE)] + [p for p in [env.get("PYTHONPATH")] if p]
+                    ),
+                    # Dramatiq's reload execs "python -m dramatiq": this interpreter, not the
+                    # first python on PATH (a venv not activated would lose its packages)
+                    "PATH": os.pathsep.join(
+                        [str(Path(sys.executable).parent), env.get("PATH", os.defpath)]
                     ),
                     "REDIS_HOST": "127.0.0.1",
                     "REDIS_PORT": str(server.port),
@@ -231,16 +235,19 @@ def run_variants(
                     command, cwd=source, env=env, stdout=stream, stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )  # fmt: skip
-            started.append((variant, server, process, results_path))
+            deadline = None
+            if deadline_minutes is not None:
+                deadline = time.monotonic() + deadline_minutes * 60
+            started.append((variant, server, process, results_path, deadline))
             if not parallel:
                 _wait(process, deadline, variant.name)
                 server.stop()
-        for variant, server, process, results_path in started:
+        for variant, server, process, results_path, deadline in started:
             _wait(process, deadline, variant.name)
             server.stop()
             results[variant.name] = read_outcomes(results_path)
     finally:
-        for _variant, server, process, _path in started:
+        for _variant, server, process, _path, _deadline in started:
             _stop_group(process)
             server.stop()
     return results
