@@ -25,8 +25,8 @@ def _lines(path: Path, *phases: tuple[str, str, str]) -> Path:
             line = {"test": test, "when": when, "outcome": outcome}
             if outcome != "passed":
                 line["reason"] = f"{test} {when} went {outcome}\nsecond line"
-            if outcome == "failed":
-                line["taskonce_log"] = [f"ERROR taskonce {test}"]
+            if test == "fails" and when == "call":  # the subtest failed, its test logged
+                line["taskonce_log"] = [f"ERROR taskonce {test} {outcome}"]
             if outcome == "xfail":
                 line.update(outcome="skipped", xfail=True)
             out.write(json.dumps(line) + "\n")
@@ -39,7 +39,7 @@ def test_phases_fold_into_one_outcome_per_test(tmp_path: Path) -> None:
         tmp_path / "run.jsonl",
         ("ok", "setup", "passed"), ("ok", "call", "passed"), ("ok", "teardown", "passed"),
         ("fails", "setup", "passed"), ("fails", "call", "failed"),
-        ("fails", "teardown", "passed"),
+        ("fails", "call", "passed"), ("fails", "teardown", "passed"),
         ("teardown-error", "setup", "passed"), ("teardown-error", "call", "passed"),
         ("teardown-error", "teardown", "failed"),
         ("setup-error", "setup", "failed"), ("setup-error", "teardown", "passed"),
@@ -59,7 +59,11 @@ def test_phases_fold_into_one_outcome_per_test(tmp_path: Path) -> None:
         "rerun-then-pass": "passed",
     }
     assert read_outcomes(path)["fails"].reason.startswith("fails call went failed")
-    assert read_outcomes(path)["fails"].taskonce_log == ["ERROR taskonce fails"]
+    assert read_outcomes(path)["fails"].taskonce_log == [
+        "ERROR taskonce fails failed",
+        "ERROR taskonce fails passed",
+    ]
+    assert read_outcomes(path)["ok"].taskonce_log == []
 
 
 def test_report_lists_the_tests_failing_only_with_taskonce(

@@ -145,6 +145,7 @@ def check_source(path: Path, package: str, tests: str, allow_mismatch: bool) -> 
 def read_outcomes(path: Path) -> dict[str, Outcome]:
     """Fold the phase lines of one run into one outcome per test."""
     tests: dict[str, Outcome] = {}
+    notes: dict[str, list[str]] = {}
     if not path.exists():
         return tests
     for raw in path.read_text(encoding="utf-8").splitlines():
@@ -156,13 +157,14 @@ def read_outcomes(path: Path) -> dict[str, Outcome]:
         reason = line.get("reason", "")
         if outcome == "rerun":
             continue  # pytest-rerunfailures runs it again: the last attempt decides
+        for note in line.get("taskonce_log", []):
+            if note not in notes.setdefault(test, []):
+                notes[test].append(note)
         current = tests.get(test)
         if outcome == "failed":
             # a failure wins over anything; an error in set-up/tear-down is "error"
             if current is None or current.outcome not in FAILING:
-                tests[test] = Outcome(
-                    "failed" if when == "call" else "error", reason, line.get("taskonce_log", [])
-                )
+                tests[test] = Outcome("failed" if when == "call" else "error", reason)
         elif outcome == "skipped":
             if current is None or current.outcome == "passed":
                 tests[test] = Outcome("xfailed" if line.get("xfail") else "skipped", reason)
@@ -170,6 +172,9 @@ def read_outcomes(path: Path) -> dict[str, Outcome]:
             tests[test] = Outcome("passed")
         elif current is None and when == "setup":
             tests[test] = Outcome("passed")  # passed so far
+    for test, outcome in tests.items():
+        if outcome.outcome in FAILING:
+            outcome.taskonce_log = notes.get(test, [])
     return tests
 
 

@@ -45,9 +45,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     line: dict[str, Any] = {"test": report.nodeid, "when": report.when, "outcome": report.outcome}
     if report.outcome != "passed":
         line["reason"] = _reason(report)[:2000]
-        notes = _taskonce_log(report)
-        if notes:
-            line["taskonce_log"] = notes
+    # also from a passing phase: a test's subtest fails in a report of its own, while what
+    # the worker logged meanwhile is in the test's call report
+    notes = _taskonce_log(report)
+    if notes:
+        line["taskonce_log"] = notes
     if hasattr(report, "wasxfail"):
         line["xfail"] = True
     line["duration"] = round(report.duration, 3)
