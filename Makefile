@@ -90,7 +90,7 @@ compare: $(STAMP)
 
 # The frameworks' own test suites, without and with taskonce (tools/celery_canvas.py,
 # tools/dramatiq_suite.py; CONTRIBUTING.md says how to get the sources). Not in .ci/run: the
-# canvas tests take about 45 minutes on a 2-CPU machine. UPSTREAM_ARGS adds options (-k EXPR).
+# canvas tests take about 20 minutes on a busy 2-CPU machine. UPSTREAM_ARGS adds options (-k EXPR).
 CELERY_SRC ?= ../celery
 DRAMATIQ_SRC ?= ../dramatiq
 celery-canvas: $(STAMP)
