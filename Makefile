@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # (with the JVM settings of tests/conftest.py). The longest files go first (LONGEST_FIRST there).
 TEST_PROCESSES ?= 3
 
-.PHONY: demo test lint typecheck docs bench install clean chaos chaos-all chaos-smoke compare spark-cluster
+.PHONY: demo test lint typecheck docs bench install clean chaos chaos-all chaos-smoke compare spark-cluster celery-canvas dramatiq-suite
 
 # The install is quiet: setuptools' note "Editable installation" (printed on every editable
 # install of a package-dir layout such as this one, not a problem) is not shown.
@@ -89,6 +89,18 @@ chaos-smoke: $(STAMP)
 compare: $(STAMP)
 	$(PY) -m pip install --quiet -r bench/peers/requirements.txt
 	$(PY) -m bench.peers.compare $(COMPARE_ARGS)
+
+# The frameworks' own test suites, without and with taskonce (tools/celery_canvas.py,
+# tools/dramatiq_suite.py; CONTRIBUTING.md says how to get the sources). Not in .ci/run: the
+# canvas tests take about 20 minutes on a busy 2-CPU machine. UPSTREAM_ARGS adds options (-k EXPR).
+CELERY_SRC ?= ../celery
+DRAMATIQ_SRC ?= ../dramatiq
+celery-canvas: $(STAMP)
+	$(PY) -m pip install --quiet -r tools/upstream/requirements.txt
+	$(PY) -m tools.celery_canvas --celery-src $(CELERY_SRC) $(UPSTREAM_ARGS)
+
+dramatiq-suite: $(STAMP)
+	$(PY) -m tools.dramatiq_suite --dramatiq-src $(DRAMATIQ_SRC) $(UPSTREAM_ARGS)
 
 clean:
 	rm -rf $(VENV) build site .pytest_cache .mypy_cache .ruff_cache .hypothesis
