@@ -160,7 +160,9 @@ def test_delivery_limit_dead_letters_a_task_that_kills_its_worker_every_time(
     stack = start(tmp_path, delivery_limit=DELIVERY_LIMIT)
     try:
         task_id = new_id()
-        stack.send("t.record", (runs.name, "doomed"), "eager", task_id=task_id, kwargs={"sleep": 120})
+        stack.send(
+            "t.record", (runs.name, "doomed"), "eager", task_id=task_id, kwargs={"sleep": 120}
+        )
         for attempt in range(1, DELIVERY_LIMIT + 2):
             rows = wait_for(
                 lambda n=attempt: len(runs.rows("doomed")) >= n and runs.rows("doomed"),

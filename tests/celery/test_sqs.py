@@ -117,9 +117,7 @@ def stack(sqs: SqsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     events = tmp / "events.jsonl"
     env = worker_env(prefix, broker, surl, namespace, events, {"TO_VISIBILITY": str(VISIBILITY)})
     # The worker creates the queue (with the visibility timeout); the publisher only sends.
-    app = publisher(
-        broker, prefix, region=REGION, is_secure=False, visibility_timeout=VISIBILITY
-    )
+    app = publisher(broker, prefix, region=REGION, is_secure=False, visibility_timeout=VISIBILITY)
     worker = Worker(tmp, env, [f"{prefix}.eager"]).start()
     try:
         yield Stack("sqs", "redis", prefix, events, worker, app, surl, namespace)
