@@ -53,6 +53,7 @@ LOWEST_ALSO = ("django-dramatiq",)
 SELECTION = (
     "tests/test_store_contract.py",
     "tests/test_store_urls.py",
+    "tests/test_compat.py",
     "tests/test_guard.py",
     "tests/test_transactional.py",
     "tests/celery/test_worker.py::test_duplicate_on_the_wire_runs_once",

@@ -9,14 +9,23 @@ bridged here and nowhere else.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any
 
+#: Pool class → whether its ``get_connection`` requires a command name (read once per class).
+_NEEDS_COMMAND_NAME: dict[Any, bool] = {}
 
-@functools.cache
-def _needs_command_name(pool_type: type) -> bool:
+
+def _needs_command_name(pool_type: Any) -> bool:
     """Whether ``pool_type.get_connection`` has a required first argument (redis-py < 5.3)."""
+    known = _NEEDS_COMMAND_NAME.get(pool_type)
+    if known is None:
+        known = _NEEDS_COMMAND_NAME[pool_type] = _reads_command_name(pool_type)
+    return known
+
+
+def _reads_command_name(pool_type: Any) -> bool:
+    """:func:`_needs_command_name`, uncached."""
     try:
         parameters = list(inspect.signature(pool_type.get_connection).parameters.values())
     except (TypeError, ValueError):  # no signature to read: assume today's form
