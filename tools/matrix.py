@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                     command = [
                         str(venv / "bin" / "python"), "-m", "pytest", "-q", "-ra",
                         "-p", "no:cacheprovider", "-n", str(args.processes),
-                        "--dist", "loadfile", *SELECTION, *args.pytest_args,
+                        "--dist", "loadfile", "--durations=10", *SELECTION, *args.pytest_args,
                     ]  # fmt: skip
                     print("+", " ".join(command), flush=True)
                     status = subprocess.run(command, cwd=ROOT).returncode
