@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from taskonce.handoff import derive_id
 from tests.celery.conftest import (
     Stack,
     Table,
@@ -115,7 +116,9 @@ def stack(sqs: SqsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     broker = f"sqs://{CREDENTIALS}@127.0.0.1:{sqs.port}"
     surl, namespace = store_url("redis")
     events = tmp / "events.jsonl"
-    env = worker_env(prefix, broker, surl, namespace, events, {"TO_VISIBILITY": str(VISIBILITY)})
+    # Receipts (the last test): a send unconfirmed 2 s after its publish is published again.
+    extra = {"TO_VISIBILITY": str(VISIBILITY), "TO_CONFIRM_WITHIN": "2", "TO_RELAY_EVERY": "1"}
+    env = worker_env(prefix, broker, surl, namespace, events, extra)
     # The worker creates the queue (with the visibility timeout); the publisher only sends.
     app = publisher(broker, prefix, region=REGION, is_secure=False, visibility_timeout=VISIBILITY)
     worker = Worker(tmp, env, [f"{prefix}.eager"]).start()
@@ -236,3 +239,55 @@ def test_pool_process_killed_mid_body_runs_once_more(
     assert stack.count(task_id, "claimed") == 1
     assert stack.count(task_id, "lease_taken_over") == 1
     assert stack.worker.alive()
+
+
+def test_a_child_deleted_from_its_queue_is_sent_again_and_runs_once(
+    sqs: SqsServer, stack: Stack, runs: Table, tmp_path: Path
+) -> None:
+    """A guarded parent sends a child to ``{prefix}.r-child``, a queue no worker consumes yet;
+    the test receives the child from SQS and deletes it (a message lost). The parent's
+    receipts find no trace of the child 2 s after its publish and publish it again under the
+    same id; a worker started on that queue then runs it once."""
+    queue = stack.q("r-child")
+    parent_id = new_id()
+    stack.send(
+        "t.send_to", (runs.name, "lost-parent", queue, "lost-child"), "eager", task_id=parent_id
+    )
+    parent_key = f"{stack.q('eager')}:{parent_id}"
+    child_id = derive_id(parent_key, 0)
+    client = sqs.client()
+
+    def queue_url() -> str | None:
+        try:
+            return str(client.get_queue_url(QueueName=f"{stack.prefix}-r-child")["QueueUrl"])
+        except client.exceptions.QueueDoesNotExist:
+            return None
+
+    url = wait_for(queue_url, timeout=30, interval=0.1, what="the child's queue")
+    received = wait_for(
+        lambda: client.receive_message(QueueUrl=url, VisibilityTimeout=120).get("Messages"),
+        timeout=30,
+        interval=0.1,
+        what="the child in its queue",
+    )
+    client.delete_message(QueueUrl=url, ReceiptHandle=received[0]["ReceiptHandle"])
+
+    def resent() -> list[dict[str, Any]]:
+        return [
+            e
+            for e in stack.events()
+            if e["event"] == "sends_redispatched" and e.get("key") == parent_key
+        ]
+
+    wait_for(resent, timeout=30, interval=0.2, what="the receipts to publish the child again")
+    worker = Worker(tmp_path, stack.worker.env, [queue]).start()
+    try:
+        wait_for(
+            lambda: stack.count(child_id, "completed") == 1, timeout=40, what="the child's run"
+        )
+        assert [(e["reason"], e["count"]) for e in resent()] == [("unconfirmed", 1)]
+        assert runs.count("lost-child") == 1
+        assert runs.count("lost-parent") == 1
+        assert stack.count(child_id, "claimed") == 1
+    finally:
+        worker.stop()
