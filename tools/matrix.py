@@ -47,15 +47,17 @@ LOWEST_ALSO = ("django-dramatiq",)
 
 #: What each session runs (pytest node ids, from the repository root), about 5 minutes at
 #: ``-n 3`` on a 2-CPU machine: the store contract on every store (redis-py, SQLAlchemy and the
-#: drivers), the guard, a real worker per framework and broker (a duplicate and a SIGKILL;
-#: each Celery test runs on Redis and RabbitMQ brokers, each Dramatiq one on both), the Django
-#: project's real-worker tests and the audit of the worked example (PySpark).
+#: drivers), the guard, the event sinks (prometheus-client, OpenTelemetry), a real worker per
+#: framework and broker (a duplicate and a SIGKILL; each Celery test runs on Redis and RabbitMQ
+#: brokers, each Dramatiq one on both), the Django project's real-worker tests and the audit
+#: of the worked example (PySpark).
 SELECTION = (
     "tests/test_store_contract.py",
     "tests/test_store_urls.py",
     "tests/test_compat.py",
     "tests/test_guard.py",
     "tests/test_transactional.py",
+    "tests/metrics/test_sinks.py",
     "tests/celery/test_worker.py::test_duplicate_on_the_wire_runs_once",
     "tests/celery/test_worker.py::test_worker_child_killed_mid_task_is_taken_over_and_runs_again",
     "tests/dramatiq/test_worker.py::test_duplicate_on_the_wire_runs_once",
