@@ -9,14 +9,15 @@ STAMP := $(VENV)/.installed
 # (with the JVM settings of tests/conftest.py). The longest files go first (LONGEST_FIRST there).
 TEST_PROCESSES ?= 3
 
-.PHONY: demo test lint typecheck docs bench install clean chaos chaos-all chaos-smoke compare spark-cluster celery-canvas dramatiq-suite
+.PHONY: demo test lint typecheck docs bench install clean chaos chaos-all chaos-smoke compare spark-cluster \
+	celery-canvas dramatiq-suite matrix matrix-lowest
 
 # The install is quiet: setuptools' note "Editable installation" (printed on every editable
 # install of a package-dir layout such as this one, not a problem) is not shown.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	PYTHONWARNINGS="ignore:Editable installation:UserWarning" $(PY) -m pip install --quiet -e '.[all,dev]'
+	PYTHONWARNINGS="ignore:Editable installation:UserWarning" $(PY) -m pip install --quiet -e '.[all,sqs,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -28,6 +29,18 @@ test: $(STAMP)
 	.ci/services
 	$(MAKE) lint typecheck docs
 	$(PY) -m pytest -q -ra -n $(TEST_PROCESSES) --dist loadfile --durations=15 $(PYTEST_ARGS)
+
+# The version matrix (tools/matrix.py): the suite's version-sensitive subset (the stores, a real
+# worker per framework and broker, the Django project's workers, the audit) in fresh virtualenvs,
+# every runtime dependency at its lowest admitted version, then at its newest. MATRIX_ARGS adds
+# options (--python python3.12 for another interpreter). CI runs the lowest session after test.
+matrix: $(STAMP)
+	.ci/services
+	$(PY) -m tools.matrix $(MATRIX_ARGS)
+
+matrix-lowest: $(STAMP)
+	.ci/services
+	$(PY) -m tools.matrix --session lowest $(MATRIX_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -215,6 +215,8 @@ class SentinelDeployment:
                 client.close()
         except redis.exceptions.RedisError:
             return False
+        if isinstance(master, list):  # redis-py 5.0 leaves the reply a flat list
+            master = dict(zip(master[::2], master[1::2], strict=True))
         fields = {str(k).replace("_", "-"): v for k, v in dict(master or {}).items()}
         return (
             int(fields.get("num-slaves", 0)) == 1

@@ -17,7 +17,9 @@ a Redis store); ``TO_BY_SETTINGS=1`` configures the guard through the ``taskonce
 instead of ``setup()``; ``TO_BREAK_AT_RUN=1`` gives ``t.misconfigured`` that same option in each
 pool process after the start checks passed (a configuration error met at run time);
 ``TO_DLX=1`` declares the ``{prefix}.eager`` queue with a dead-letter queue ``{prefix}.dead``;
-``TO_SETTINGS_TYPO=1`` configures through the settings with a misspelt policy field and calls
+``TO_QUORUM=1`` declares ``{prefix}.eager`` a quorum queue (``TO_DELIVERY_LIMIT``: its
+``x-delivery-limit``, dead-lettering into ``{prefix}.dead``); an ``sqs://`` broker gets the
+SQS transport options of tests/celery/test_sqs.py. ``TO_SETTINGS_TYPO=1`` configures through the settings with a misspelt policy field and calls
 ``setup(app)`` while the module is imported.
 
 Every task counts its runs in the PostgreSQL table whose name it is given (one row per run,
@@ -63,6 +65,16 @@ if BROKER.startswith("redis"):
             unacked_restore_interval=1,
             unacked_restore_throttle=1,
         )
+if BROKER.startswith("sqs"):
+    # Amazon SQS (tests/celery/test_sqs.py: moto's server on loopback, plain HTTP): messages
+    # come back after TO_VISIBILITY seconds unacknowledged; short polls keep the tests quick.
+    transport.update(
+        region="us-east-1",
+        is_secure=False,
+        visibility_timeout=float(ENV.get("TO_VISIBILITY", "30")),
+        wait_time_seconds=0,
+        polling_interval=0.1,
+    )
 app.conf.update(
     broker_transport_options=transport,
     result_backend_transport_options={"global_keyprefix": f"{PREFIX}:"},
@@ -90,6 +102,10 @@ if ENV.get("TO_DLX"):
     from tests.celery.queues import dead_lettered_queue
 
     app.conf.task_queues = [dead_lettered_queue(PREFIX)]
+if ENV.get("TO_QUORUM"):  # RabbitMQ quorum queues (tests/celery/test_quorum.py)
+    from tests.celery.queues import quorum_queue
+
+    app.conf.task_queues = [quorum_queue(PREFIX, int(ENV.get("TO_DELIVERY_LIMIT", "0")))]
 DEFAULT_POLICY: dict[str, Any] = (
     {"mode": "eager"} if LEASE == "default" else {"mode": "eager", "lease": float(LEASE)}
 )

@@ -219,5 +219,7 @@ def test_sigkill_mid_body_charges_once(run: Run, broker: RabbitmqBroker, workers
     assert run.runs(sent.message_id) == 2
     assert names.count("claimed") == 1 and names.count("completed") == 1, names
     taken = run.events(sent.message_id, "lease_taken_over")
-    assert len(taken) == 1 and taken[0]["reason"] == "owner_dead", names
+    # The dead owner's claim is taken over at once (owner_dead) or, when the new worker took
+    # longer than the 30 s lease to start (a loaded machine), as an expired lease.
+    assert len(taken) == 1 and taken[0]["reason"] in ("owner_dead", "lease_expired"), names
     assert any(e["redelivered"] for e in run.events(sent.message_id))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -249,21 +250,32 @@ def make_guard(config: Config) -> taskonce.Guard:
     )
 
 
+def accepted(kind: type, **options: Any) -> dict[str, Any]:
+    """The ``options`` that ``kind``'s constructor takes: the matrix's lowest Dramatiq (1.15)
+    lacks some that the newest has, and the tests run on both (tools/matrix.py)."""
+    parameters = inspect.signature(kind.__init__).parameters
+    return {name: value for name, value in options.items() if name in parameters}
+
+
 def build(config: Config) -> App:
     """The broker with its middleware, the guard and every actor of the tests."""
     broker = make_broker(config)
     guard = make_guard(config)
     results: RedisBackend | None = None
     if config.results:
+        # Readable keys, so the tests can delete them; older Dramatiq (1.15) hashes every key
+        # (its results then expire by their own TTL).
         results = RedisBackend(
             url=config.results,
             namespace=f"{config.namespace}-results",
-            use_namespace_prefix_keys=True,  # readable keys, so the tests can delete them
+            **accepted(RedisBackend, use_namespace_prefix_keys=True),
         )
         broker.add_middleware(Results(backend=results))
         # Group completion callbacks: a Redis barrier per group (its id is random), short-lived.
         barriers = RateLimiterRedisBackend(url=config.results)
-        broker.add_middleware(GroupCallbacks(barriers, barrier_ttl=600_000))
+        broker.add_middleware(
+            GroupCallbacks(barriers, **accepted(GroupCallbacks, barrier_ttl=600_000))
+        )
     broker.add_middleware(CurrentMessage())
     broker.add_middleware(AsyncIO())
     broker.add_middleware(AckLog(config.acks))

@@ -25,6 +25,7 @@ try:  # the redis extra installs it (redis[hiredis]); redis-py works without it
 except ImportError:  # pragma: no cover - depends on the installation
     _hiredis = None  # type: ignore[assignment]
 
+from taskonce.stores.redis.compat import pool_connection
 from taskonce.stores.redis.connecting import unlock_pool
 from taskonce.stores.redis.wire import cannot_answer
 
@@ -272,7 +273,7 @@ class SharedTrips:
         conn = self._conn
         try:
             if conn is None:
-                conn = self._conn = self._client.connection_pool.get_connection()
+                conn = self._conn = pool_connection(self._client.connection_pool)
                 self._pack = _fast_packer(conn)
             packed = self._pack(conn, command_of(call.script, call.name, call.args))
 
@@ -305,7 +306,7 @@ class SharedTrips:
         sendable: list[Call] = []
         try:
             if conn is None:
-                conn = self._conn = self._client.connection_pool.get_connection()
+                conn = self._conn = pool_connection(self._client.connection_pool)
                 self._pack = _fast_packer(conn)
             packed: list[bytes] = []
             for call in batch:

@@ -17,6 +17,7 @@ from sqlalchemy.pool import StaticPool
 
 from taskonce.errors import ConfigError
 from taskonce.stores.options import check_names
+from taskonce.stores.sql.compat import no_rollback_on_return
 
 #: Seconds the driver waits for a TCP connection / SQLite waits for a lock.
 _CONNECT_TIMEOUT = 5
@@ -211,7 +212,7 @@ def make_engine(
         options["isolation_level"] = "AUTOCOMMIT"
         # The pool's reset-on-return ROLLBACK is a round trip on PyMySQL even in autocommit
         # mode, doubling every MariaDB store operation (bench/store_ops.py counts them).
-        options.setdefault("skip_autocommit_rollback", True)
+        no_rollback_on_return(options)
     elif user_isolation is not None:
         options["isolation_level"] = user_isolation
     try:
