@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 from celery import Task
 from celery.exceptions import Ignore, Reject
 from celery.signals import task_postrun
+from celery.utils.time import get_exponential_backoff_interval
 
 from taskonce import handoff
 from taskonce.action import Action, Do, after, before
@@ -264,12 +265,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 active.release()
                 publish_held_retry(request.id)
             elif not active.settled:
-                active.settled = True
-                try:
-                    done = after(call.guard, ticket, result)
-                except BaseException as exc:
-                    call.guard.fail(ticket, exc)
-                    raise
+                active.settled = True  # after() settles the ticket, whatever it answers
+                done = after(call.guard, ticket, result)
                 CELERY[done.do](self, done, call)
             return result
         finally:
@@ -346,9 +343,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         raise Ignore() from action.error
 
     def _raise(self, action: Action, call: _Call) -> NoReturn:
+        # The body's failure found at its commit (rolled back, the claim released by the
+        # guard): Celery's failure path, as if the body had raised it — the task's
+        # autoretry_for, else FAILURE.
         assert action.error is not None
-        if action.ran and action.ticket is not None:
-            call.guard.fail(action.ticket, action.error)
+        if action.ran:
+            _autoretry(self, action.error)
         raise action.error
 
     def _refuse_misconfigured(self, request: Any, exc: ConfigError, eager: bool) -> NoReturn:
@@ -564,7 +564,7 @@ CELERY: dict[Do, Callable[[IdempotentTask, Action, _Call], Any]] = {
     Do.BACK_OFF: IdempotentTask._back_off,  # the same after taskonce_store_retry_delay
     Do.REJECT: IdempotentTask._refuse,  # Reject(requeue=False): dead-lettered
     Do.LOST: IdempotentTask._lost,  # Ignore: the run that took the claim over is of record
-    Do.RAISE: IdempotentTask._raise,  # the handler's own commit error: Celery's FAILURE
+    Do.RAISE: IdempotentTask._raise,  # its commit refused: autoretry_for, else FAILURE
 }
 
 #: Celery's own ``Task.__call__``, as imported (before any ``add_around`` wrapping).
@@ -583,6 +583,29 @@ def _calls_run_directly(cls: type) -> bool:
         call = next((vars(k)["__call__"] for k in after if "__call__" in vars(k)), None)
         direct = _DIRECT_RUN[cls] = call is _CELERY_CALL
     return direct
+
+
+def _autoretry(task: IdempotentTask, exc: BaseException) -> None:
+    """Celery's ``autoretry_for`` rule (``celery.app.autoretry``), applied to ``exc`` raised
+    after the body returned (its transaction's commit refused): Celery wraps only ``run``, so
+    it never sees that error. Raises what ``task.retry`` raises (``Retry``, or ``exc`` itself
+    once ``max_retries`` is spent) when the task retries on ``exc``; else returns."""
+    autoretry_for = tuple(getattr(task, "autoretry_for", ()) or ())
+    dont_autoretry_for = tuple(getattr(task, "dont_autoretry_for", ()) or ())
+    if not autoretry_for or not isinstance(exc, autoretry_for):
+        return
+    if dont_autoretry_for and isinstance(exc, dont_autoretry_for):
+        return
+    options = dict(getattr(task, "retry_kwargs", None) or {})
+    backoff = float(getattr(task, "retry_backoff", False))
+    if backoff:
+        options["countdown"] = get_exponential_backoff_interval(
+            factor=int(max(1.0, backoff)),
+            retries=task.request.retries,
+            maximum=int(getattr(task, "retry_backoff_max", 600)),
+            full_jitter=getattr(task, "retry_jitter", True),
+        )
+    raise task.retry(exc=exc, **options)
 
 
 def _reject(reason: BaseException, requeue: bool) -> Reject:

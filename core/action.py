@@ -48,7 +48,7 @@ class Do(str, enum.Enum):
     BACK_OFF = "back_off"  # store unreachable or failing (fail_closed): again after a backoff
     REJECT = "reject"  # never runnable (payload mismatch, unusable id, config error): dead-letter
     LOST = "lost"  # the claim was taken over while the handler ran: the other run is of record
-    RAISE = "raise"  # the handler's own error at its commit: the framework's failure path
+    RAISE = "raise"  # the handler's failure at its commit: the framework's failure path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,9 @@ class Action:
     :param error: the exception behind ``BACK_OFF``, ``REJECT``, ``LOST`` and ``RAISE``; on
         ``ACK``, a problem to log (the result could not be stored, or, outside a transaction,
         the outcome could not be recorded).
-    :param ran: the handler ran (the action comes from :func:`after`).
+    :param ran: the handler ran (the action comes from :func:`after`). Its ticket is then
+        settled (:attr:`Ticket.settled`): the adapter acts on the action and never calls
+        :meth:`Guard.fail` after it.
     """
 
     do: Do
@@ -129,13 +131,19 @@ def _internal_error(guard: Guard, described: Delivery | None, exc: Exception) ->
 
 def after(guard: Guard, ticket: Ticket, result: Any) -> Action:
     """Record the successful run of ``ticket``'s handler (:meth:`Guard.finish`) and say what
-    to do with the message. A transactional run whose commit failed is rolled back
-    (:meth:`Guard.fail`) and backs off: its writes are gone, it must run again.
+    to do with the message. The ticket is settled after this, whatever it answers: a
+    transactional run that could not commit was rolled back and its claim released, once, by
+    the guard. What follows is decided here, the same for every framework:
+
+    - a store that failed at the commit (unreachable) backs off: the writes are gone, it must
+      run again, and that is not the handler's failure (no retry counted);
+    - a commit the handler's own writes refused (a constraint checked at commit, Django's
+      rollback-only transaction) is the handler's failure, ``RAISE``: the framework's failure
+      path, with its own retry rules, exactly as if the handler had raised it.
 
     An unexpected error while recording is treated as the store failing: outside a transaction
     the handler's effects stand unrecorded (acknowledged, logged); in one they were rolled back
-    (the guard released the claim), so it backs off and runs again. Only an error at the
-    commit that is the handler's own (its constraint checked at commit) is its failure."""
+    (the guard released the claim), so it backs off and runs again."""
     try:
         guard.finish(ticket, result)
     except LeaseLost as exc:
@@ -143,8 +151,7 @@ def after(guard: Guard, ticket: Ticket, result: Any) -> Action:
     except StoreUnavailable as exc:
         if not ticket.policy.transactional:
             return Action(Do.ACK, ticket, error=exc, ran=True)  # effects stand, unrecorded
-        guard.fail(ticket, exc)
-        return Action(Do.BACK_OFF, ticket, error=exc, ran=True)
+        return Action(Do.BACK_OFF, ticket, error=exc, ran=True)  # rolled back, released
     except InvalidInput as exc:  # store_result and a result JSON cannot hold: recorded without
         return Action(Do.ACK, ticket, error=exc, ran=True)
     except PayloadMismatch as exc:  # found at a transactional mark, rolled back

@@ -63,7 +63,8 @@ class Delivery:
 
 @dataclasses.dataclass
 class Ticket:
-    """The guard's handle on one delivery between :meth:`Guard.begin` and finish/fail."""
+    """The guard's handle on one delivery between :meth:`Guard.begin` and finish/fail; once
+    either has run it is :attr:`settled`."""
 
     delivery: Delivery
     policy: Policy
@@ -76,6 +77,11 @@ class Ticket:
     stored_result: Any = None
     started: float = dataclasses.field(default_factory=time.monotonic)
     lost: bool = False
+    #: the run's outcome is settled: :meth:`Guard.finish` recorded it (or found it lost, a
+    #: duplicate, or rolled back and released its claim) or :meth:`Guard.fail` undid it. Both
+    #: do nothing on a settled ticket: its claim is released at most once, and a second
+    #: release never reports a lease nobody lost (``lease_lost``).
+    settled: bool = False
     _heartbeat: int | None = None
     _session: Session | None = None
     _session_token: contextvars.Token[Session | None] | None = None

@@ -43,6 +43,7 @@ from taskonce.dramatiq_ext.errors import (
     Rejected,
     StoreDown,
 )
+from taskonce.dramatiq_ext.failure import fail_as_raised
 from taskonce.dramatiq_ext.handoff import (
     Finisher,
     install,
@@ -472,7 +473,7 @@ class IdempotencyMiddleware(Middleware):
         logger.warning("lease of %s was lost while message %s ran", key, message)
 
     def _error(self, broker: Broker, message: MessageProxy, action: Action) -> None:
-        error, ticket = action.error, action.ticket
+        error = action.error
         if not action.ran:
             logger.error(
                 "the guard could not decide on message %s",
@@ -483,18 +484,10 @@ class IdempotencyMiddleware(Middleware):
                 f"taskonce could not decide whether to run message {message.message_id!r} "
                 f"({type(error).__name__}: {error}); it was not run"
             ) from error
-        assert ticket is not None and isinstance(error, Exception)
-        if ticket.policy.transactional:
-            self.guard.fail(ticket, error)
-            self._back_off(broker, message, action)
-            return
-        logger.error(
-            "message %s ran but %s could not be recorded (%s); a redelivery after the lease may "
-            "run it again",
-            message.message_id,
-            ticket.key,
-            error,
-        )
+        assert error is not None
+        # The actor's failure found at its commit (rolled back, the claim released by the
+        # guard): Dramatiq's failure path, as if the actor had raised it (Retries, on_failure).
+        fail_as_raised(broker, message, error)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         """A middleware after this one skipped a delivery this middleware claimed: release."""
