@@ -28,6 +28,7 @@ from taskonce.errors import (
 )
 from taskonce.events import Event
 from taskonce.keys import make_key
+from taskonce.outage import DEFAULT_BACKOFF, Backoff
 from taskonce.record import is_handlers_own
 from taskonce.ticket import Decision, Delivery, Ticket, ticket_event
 
@@ -57,7 +58,9 @@ class Action:
 
     :param do: the kind.
     :param ticket: the guard's ticket, when it made one.
-    :param delay: :attr:`Do.REDELIVER`: seconds until the copy is delivered.
+    :param delay: :attr:`Do.REDELIVER` and :attr:`Do.BACK_OFF`: seconds until the copy is
+        delivered (a back-off's from :class:`~taskonce.outage.Backoff`, the same rule for
+        every framework).
     :param error: the exception behind ``BACK_OFF``, ``REJECT``, ``LOST`` and ``RAISE``; on
         ``ACK``, a problem to log (the result could not be stored, or, outside a transaction,
         the outcome could not be recorded).
@@ -78,9 +81,11 @@ def before(
     delivery: Callable[[], Delivery | None],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
+    backoff: Backoff = DEFAULT_BACKOFF,
 ) -> Action:
     """Ask ``guard`` what to do with a delivery before its handler runs. ``delivery()`` builds
     it (a configuration error there is refused like the guard's own); None: not guarded.
+    ``backoff``: the delay of a ``BACK_OFF`` (by the delivery's ``store_errors``).
 
     An unexpected error (not a :class:`~taskonce.TaskonceError` the guard means) is an outage:
     see :func:`_internal_error`."""
@@ -91,15 +96,22 @@ def before(
             return Action(Do.RUN_UNGUARDED)
         ticket = guard.begin(described, args, kwargs)
     except StoreUnavailable as exc:  # on_store_error="fail_closed"
-        return Action(Do.BACK_OFF, error=exc)
+        return Action(Do.BACK_OFF, error=exc, delay=_backoff(backoff, described))
     except (InvalidInput, PayloadMismatch, ConfigError) as exc:
         return Action(Do.REJECT, error=exc)
     except Exception as exc:
-        return _internal_error(guard, described, exc)
+        return _internal_error(guard, described, exc, backoff)
     return _of(ticket, ran=False)
 
 
-def _internal_error(guard: Guard, described: Delivery | None, exc: Exception) -> Action:
+def _backoff(backoff: Backoff, delivery: Delivery | None) -> float:
+    """Seconds before a delivery backed off is tried again."""
+    return backoff.delay(0 if delivery is None else delivery.store_errors)
+
+
+def _internal_error(
+    guard: Guard, described: Delivery | None, exc: Exception, backoff: Backoff
+) -> Action:
     """An unexpected error before the handler ran, handled like a store outage: logged (its
     traceback once per distinct error), a ``store_error`` event with ``reason``
     ``"internal_error"``, and then ``on_store_error``: ``fail_closed`` backs off (the message
@@ -126,10 +138,10 @@ def _internal_error(guard: Guard, described: Delivery | None, exc: Exception) ->
         guard.sinks.send(ticket_event(Event.STORE_ERROR, ticket, reason="internal_error"))
     if fail_open:
         return Action(Do.RUN_UNGUARDED, ticket)
-    return Action(Do.BACK_OFF, error=exc)
+    return Action(Do.BACK_OFF, error=exc, delay=_backoff(backoff, described))
 
 
-def after(guard: Guard, ticket: Ticket, result: Any) -> Action:
+def after(guard: Guard, ticket: Ticket, result: Any, backoff: Backoff = DEFAULT_BACKOFF) -> Action:
     """Record the successful run of ``ticket``'s handler (:meth:`Guard.finish`) and say what
     to do with the message. The ticket is settled after this, whatever it answers: a
     transactional run that could not commit was rolled back and its claim released, once, by
@@ -151,7 +163,8 @@ def after(guard: Guard, ticket: Ticket, result: Any) -> Action:
     except StoreUnavailable as exc:
         if not ticket.policy.transactional:
             return Action(Do.ACK, ticket, error=exc, ran=True)  # effects stand, unrecorded
-        return Action(Do.BACK_OFF, ticket, error=exc, ran=True)  # rolled back, released
+        delay = _backoff(backoff, ticket.delivery)
+        return Action(Do.BACK_OFF, ticket, delay, exc, ran=True)  # rolled back, released
     except InvalidInput as exc:  # store_result and a result JSON cannot hold: recorded without
         return Action(Do.ACK, ticket, error=exc, ran=True)
     except PayloadMismatch as exc:  # found at a transactional mark, rolled back
@@ -167,7 +180,8 @@ def after(guard: Guard, ticket: Ticket, result: Any) -> Action:
         )
         internal.report(exc, f"recording {ticket.delivery.task}[{ticket.key}]", then)
         if transactional:  # Guard.finish rolled it back and released the claim already
-            return Action(Do.BACK_OFF, ticket, error=exc, ran=True)
+            delay = _backoff(backoff, ticket.delivery)
+            return Action(Do.BACK_OFF, ticket, delay, exc, ran=True)
         return Action(Do.ACK, ticket, ran=True)  # logged above: effects stand, unrecorded
     return _of(ticket, ran=True)
 

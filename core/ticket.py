@@ -48,6 +48,9 @@ class Delivery:
         ``self.replace()``; 0 for a message that replaces nothing): the ids of its sends derive
         from its key *and* this, so they never collide with those of the task it replaced
         (:func:`taskonce.handoff.id_base`).
+    :param store_errors: how many times in a row this message was put back because the store
+        could not be used (the adapters count it on the copy they publish again): the next
+        back-off is longer (:class:`taskonce.outage.Backoff`).
     """
 
     message_id: str
@@ -59,6 +62,7 @@ class Delivery:
     override: Policy | Mapping[str, Any] | None = None
     deferred: int = 0
     replaced: int = 0
+    store_errors: int = 0
 
 
 @dataclasses.dataclass

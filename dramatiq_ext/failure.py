@@ -49,7 +49,9 @@ def fail_as_raised(broker: Broker, message: MessageProxy, exc: BaseException) ->
                 raise exc  # caught at once: Retries' traceback.format_exc() sees this error
             except BaseException:
                 with send_now():  # a retry, an on_failure message: never a captured send
-                    middleware.after_process_message(broker, message, exception=exc)
+                    middleware.after_process_message(  # type: ignore[no-untyped-call]
+                        broker, message, exception=exc
+                    )
         except Exception:  # as Dramatiq's emit_after: one middleware's error stops no other
             logger.exception("%r failed on message %s", middleware, message.message_id)
     if not message.failed:
