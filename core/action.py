@@ -85,7 +85,32 @@ def before(
 ) -> Action:
     """Ask ``guard`` what to do with a delivery before its handler runs. ``delivery()`` builds
     it (a configuration error there is refused like the guard's own); None: not guarded.
-    ``backoff``: the delay of a ``BACK_OFF`` (by the delivery's ``store_errors``).
+    ``backoff`` gives a ``BACK_OFF`` its ``delay``, by the delivery's ``store_errors``."""
+    described: list[Delivery | None] = []
+
+    def describe() -> Delivery | None:
+        described.append(delivery())
+        return described[-1]
+
+    action = _decide(guard, describe, args, kwargs)
+    if action.do is Do.BACK_OFF:  # the one back-off rule of every framework
+        last = described[-1] if described else None  # None: delivery() raised
+        return dataclasses.replace(action, delay=_backoff(backoff, last))
+    return action
+
+
+def _backoff(backoff: Backoff, delivery: Delivery | None) -> float:
+    """Seconds before a delivery backed off is tried again."""
+    return backoff.delay(0 if delivery is None else delivery.store_errors)
+
+
+def _decide(
+    guard: Guard,
+    delivery: Callable[[], Delivery | None],
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+) -> Action:
+    """:func:`before`'s answer, but a ``BACK_OFF``'s delay.
 
     An unexpected error (not a :class:`~taskonce.TaskonceError` the guard means) is an outage:
     see :func:`_internal_error`."""
@@ -96,22 +121,15 @@ def before(
             return Action(Do.RUN_UNGUARDED)
         ticket = guard.begin(described, args, kwargs)
     except StoreUnavailable as exc:  # on_store_error="fail_closed"
-        return Action(Do.BACK_OFF, error=exc, delay=_backoff(backoff, described))
+        return Action(Do.BACK_OFF, error=exc)
     except (InvalidInput, PayloadMismatch, ConfigError) as exc:
         return Action(Do.REJECT, error=exc)
     except Exception as exc:
-        return _internal_error(guard, described, exc, backoff)
+        return _internal_error(guard, described, exc)
     return _of(ticket, ran=False)
 
 
-def _backoff(backoff: Backoff, delivery: Delivery | None) -> float:
-    """Seconds before a delivery backed off is tried again."""
-    return backoff.delay(0 if delivery is None else delivery.store_errors)
-
-
-def _internal_error(
-    guard: Guard, described: Delivery | None, exc: Exception, backoff: Backoff
-) -> Action:
+def _internal_error(guard: Guard, described: Delivery | None, exc: Exception) -> Action:
     """An unexpected error before the handler ran, handled like a store outage: logged (its
     traceback once per distinct error), a ``store_error`` event with ``reason``
     ``"internal_error"``, and then ``on_store_error``: ``fail_closed`` backs off (the message
@@ -138,7 +156,7 @@ def _internal_error(
         guard.sinks.send(ticket_event(Event.STORE_ERROR, ticket, reason="internal_error"))
     if fail_open:
         return Action(Do.RUN_UNGUARDED, ticket)
-    return Action(Do.BACK_OFF, error=exc, delay=_backoff(backoff, described))
+    return Action(Do.BACK_OFF, error=exc)
 
 
 def after(guard: Guard, ticket: Ticket, result: Any, backoff: Backoff = DEFAULT_BACKOFF) -> Action:
