@@ -11,7 +11,9 @@ its settings:
 - ``taskonce_eager``: ``"guard"`` (default) guards eager runs (``apply()``,
   ``task_always_eager``) under the queue-name rule's queue; ``"bypass"`` runs them unguarded.
 - ``taskonce_store_retry_delay``: seconds before a delivery that met an unreachable store
-  (``fail_closed``) is delivered again; default 5.
+  (``fail_closed``) is delivered again the first time; doubled (with jitter) for each store
+  error in a row, at most 60 s (:class:`taskonce.outage.Backoff`, Dramatiq's rule too);
+  default 1.
 - ``taskonce_relay_every``: seconds between two sweeps of the worker's hand-off relay, which
   publishes deferred sends left pending by a worker that died after recording an outcome (and
   whose message never comes back, e.g. early acknowledgement); default 30, ``0`` turns it off.
@@ -42,14 +44,14 @@ from taskonce.errors import ConfigError, StoreUnavailable
 from taskonce.events import EventSink, JsonlEvents
 from taskonce.exits import EXIT_CONFIG as EXIT_CONFIG  # the adapters' public name
 from taskonce.guard import Guard
-from taskonce.outage import START_TIMEOUT
+from taskonce.outage import BACKOFF_CAP, BACKOFF_FIRST, START_TIMEOUT, Backoff
 from taskonce.policy import Policy
 from taskonce.stores import Store, open_store
 
 logger = logging.getLogger("taskonce.celery")
 
 EAGER_CHOICES = ("guard", "bypass")
-DEFAULT_STORE_RETRY_DELAY = 5.0
+DEFAULT_STORE_RETRY_DELAY = BACKOFF_FIRST
 DEFAULT_RELAY_EVERY = 30.0
 
 
@@ -61,6 +63,14 @@ class AppState:
     eager: str = "guard"
     store_retry_delay: float = DEFAULT_STORE_RETRY_DELAY
     relay_every: float = DEFAULT_RELAY_EVERY
+
+    @property
+    def backoff(self) -> Backoff:
+        """The back-off after a store error: ``taskonce_store_retry_delay`` the first time,
+        doubled for each store error in a row, at most 60 s (or the setting, if longer)."""
+        delay = self.store_retry_delay
+        return Backoff(delay, max(BACKOFF_CAP, delay), "setting taskonce_store_retry_delay")
+
     #: effective policy per (task name, queue, time limit)
     policies: dict[tuple[str, str, float | None], Policy] = dataclasses.field(default_factory=dict)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)

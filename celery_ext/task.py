@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 from celery import Task
 from celery.exceptions import Ignore, Reject
 from celery.signals import task_postrun
+from celery.utils.time import get_exponential_backoff_interval
 
 from taskonce import handoff
 from taskonce.action import Action, Do, after, before
@@ -46,6 +47,9 @@ logger = logging.getLogger("taskonce.celery")
 #: The header counting the guard's deferrals of a message (a copy published again because
 #: another worker held its key): the audit counts a re-deferred copy as one duplicate.
 DEFERRED_HEADER = "taskonce_deferred"
+#: The header counting a message's back-offs in a row after a store error: each is longer
+#: (:class:`taskonce.outage.Backoff`, the rule Dramatiq's middleware follows too).
+STORE_ERRORS_HEADER = "taskonce_store_errors"
 
 
 def lease_beyond(time_limit: float) -> float:
@@ -211,7 +215,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if eager and state.eager == "bypass":
             return super().__call__(*args, **kwargs)
         call = _Call(guard, state, request, args, kwargs, delivery_queue(self, request), eager)
-        action = before(guard, lambda: self._delivery(call), args, kwargs)
+        action = before(guard, lambda: self._delivery(call), args, kwargs, state.backoff)
         return CELERY[action.do](self, action, call)
 
     def _delivery(self, call: _Call) -> Delivery:
@@ -224,7 +228,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             attempt=int(request.retries or 0),
             redelivered=_redelivered(request),
             override=self._policy(call.state, call.guard, call.queue, request),
-            deferred=_deferred(request),
+            deferred=_count(request, DEFERRED_HEADER),
+            store_errors=_count(request, STORE_ERRORS_HEADER),
             replaced=celery_handoff.replaced_depth(request),
         )
 
@@ -264,12 +269,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 active.release()
                 publish_held_retry(request.id)
             elif not active.settled:
-                active.settled = True
-                try:
-                    done = after(call.guard, ticket, result)
-                except BaseException as exc:
-                    call.guard.fail(ticket, exc)
-                    raise
+                active.settled = True  # after() settles the ticket, whatever it answers
+                done = after(call.guard, ticket, result, call.state.backoff)
                 CELERY[done.do](self, done, call)
             return result
         finally:
@@ -306,7 +307,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         assert action.error is not None
         if call.eager:
             raise action.error
-        delay = call.state.store_retry_delay
+        delay = action.delay  # the guard's back-off, longer for each store error in a row
         if action.ran:  # transactional: the body's writes were rolled back with the mark
             logger.warning(
                 "taskonce: %s[%s] could not commit (store unreachable); its writes were rolled "
@@ -324,7 +325,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 delay,
                 action.error,
             )
-        self._deliver_later(call, delay)
+        self._deliver_later(call, delay, store_errors=_count(call.request, STORE_ERRORS_HEADER) + 1)
 
     def _refuse(self, action: Action, call: _Call) -> NoReturn:
         exc = action.error
@@ -347,9 +348,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         raise Ignore() from action.error
 
     def _raise(self, action: Action, call: _Call) -> NoReturn:
+        # The body's failure found at its commit (rolled back, the claim released by the
+        # guard): Celery's failure path, as if the body had raised it — the task's
+        # autoretry_for, else FAILURE.
         assert action.error is not None
-        if action.ran and action.ticket is not None:
-            call.guard.fail(action.ticket, action.error)
+        if action.ran:
+            _autoretry(self, action.error)
         raise action.error
 
     def _refuse_misconfigured(self, request: Any, exc: ConfigError, eager: bool) -> NoReturn:
@@ -400,16 +404,25 @@ class IdempotentTask(Task):  # type: ignore[misc]
         state.policies[cache_key] = policy
         return policy
 
-    def _deliver_later(self, call: _Call, delay: float, deferred: int = 0) -> NoReturn:
+    def _deliver_later(
+        self, call: _Call, delay: float, deferred: int = 0, store_errors: int = 0
+    ) -> NoReturn:
         """Publish this message again (same id, same ``retries``, same links and chain) to its
         queue after ``delay`` seconds, then acknowledge this delivery with ``Ignore``.
-        ``deferred``: the guard's deferrals of it so far, carried in :data:`DEFERRED_HEADER`."""
+        ``deferred``: the guard's deferrals of it so far, carried in :data:`DEFERRED_HEADER`;
+        ``store_errors``: its back-offs in a row, in :data:`STORE_ERRORS_HEADER` (each counter
+        counts consecutive copies of its kind: the other one is dropped)."""
         request = call.request
         celery_handoff.restore_links(request, call.links)  # the copy carries them on
         options: dict[str, Any] = {"queue": call.queue, "countdown": max(delay, 0.0)}
-        if deferred:
-            headers = request.headers if isinstance(request.headers, Mapping) else {}
-            options["headers"] = {**headers, DEFERRED_HEADER: deferred}
+        if deferred or store_errors:
+            headers = dict(request.headers) if isinstance(request.headers, Mapping) else {}
+            headers.pop(DEFERRED_HEADER, None)
+            headers.pop(STORE_ERRORS_HEADER, None)
+            name, count = (
+                (DEFERRED_HEADER, deferred) if deferred else (STORE_ERRORS_HEADER, store_errors)
+            )
+            options["headers"] = {**headers, name: count}
         signature = self.signature_from_request(request, call.args, call.kwargs, **options)
         try:
             with send_now():  # the same message again, never a deferred send
@@ -565,7 +578,7 @@ CELERY: dict[Do, Callable[[IdempotentTask, Action, _Call], Any]] = {
     Do.BACK_OFF: IdempotentTask._back_off,  # the same after taskonce_store_retry_delay
     Do.REJECT: IdempotentTask._refuse,  # Reject(requeue=False): dead-lettered (+ FAILURE)
     Do.LOST: IdempotentTask._lost,  # Ignore: the run that took the claim over is of record
-    Do.RAISE: IdempotentTask._raise,  # the handler's own commit error: Celery's FAILURE
+    Do.RAISE: IdempotentTask._raise,  # its commit refused: autoretry_for, else FAILURE
 }
 
 #: Celery's own ``Task.__call__``, as imported (before any ``add_around`` wrapping).
@@ -586,6 +599,29 @@ def _calls_run_directly(cls: type) -> bool:
     return direct
 
 
+def _autoretry(task: IdempotentTask, exc: BaseException) -> None:
+    """Celery's ``autoretry_for`` rule (``celery.app.autoretry``), applied to ``exc`` raised
+    after the body returned (its transaction's commit refused): Celery wraps only ``run``, so
+    it never sees that error. Raises what ``task.retry`` raises (``Retry``, or ``exc`` itself
+    once ``max_retries`` is spent) when the task retries on ``exc``; else returns."""
+    autoretry_for = tuple(getattr(task, "autoretry_for", ()) or ())
+    dont_autoretry_for = tuple(getattr(task, "dont_autoretry_for", ()) or ())
+    if not autoretry_for or not isinstance(exc, autoretry_for):
+        return
+    if dont_autoretry_for and isinstance(exc, dont_autoretry_for):
+        return
+    options = dict(getattr(task, "retry_kwargs", None) or {})
+    backoff = float(getattr(task, "retry_backoff", False))
+    if backoff:
+        options["countdown"] = get_exponential_backoff_interval(
+            factor=int(max(1.0, backoff)),
+            retries=task.request.retries,
+            maximum=int(getattr(task, "retry_backoff_max", 600)),
+            full_jitter=getattr(task, "retry_jitter", True),
+        )
+    raise task.retry(exc=exc, **options)
+
+
 def _reject(reason: BaseException, requeue: bool) -> Reject:
     """A ``Reject`` whose reason crosses process boundaries: the prefork pool pickles it back to
     the worker's main process, and taskonce's errors with several constructor arguments
@@ -604,12 +640,13 @@ def _hard_time_limit(task: Any, request: Any) -> float | None:
     return float(hard)
 
 
-def _deferred(request: Any) -> int:
-    """How many times the guard deferred this copy before (:data:`DEFERRED_HEADER`): Celery
-    puts a message's own headers on the request, or in ``request.headers``."""
-    value = getattr(request, DEFERRED_HEADER, None)
+def _count(request: Any, header: str) -> int:
+    """A counter the guard's copies carry (:data:`DEFERRED_HEADER`, :data:`STORE_ERRORS_HEADER`)
+    on this copy; 0 when absent: Celery puts a message's own headers on the request, or in
+    ``request.headers``."""
+    value = getattr(request, header, None)
     if value is None and isinstance(request.headers, Mapping):
-        value = request.headers.get(DEFERRED_HEADER)
+        value = request.headers.get(header)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 

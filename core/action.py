@@ -29,6 +29,7 @@ from taskonce.errors import (
 )
 from taskonce.events import Event
 from taskonce.keys import make_key
+from taskonce.outage import DEFAULT_BACKOFF, Backoff
 from taskonce.record import is_handlers_own
 from taskonce.ticket import Decision, Delivery, Ticket, ticket_event
 
@@ -49,7 +50,7 @@ class Do(str, enum.Enum):
     BACK_OFF = "back_off"  # store unreachable or failing (fail_closed): again after a backoff
     REJECT = "reject"  # never runnable (payload mismatch, bad id, config error, quarantined): DLQ
     LOST = "lost"  # the claim was taken over while the handler ran: the other run is of record
-    RAISE = "raise"  # the handler's own error at its commit: the framework's failure path
+    RAISE = "raise"  # the handler's failure at its commit: the framework's failure path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +59,15 @@ class Action:
 
     :param do: the kind.
     :param ticket: the guard's ticket, when it made one.
-    :param delay: :attr:`Do.REDELIVER`: seconds until the copy is delivered.
+    :param delay: :attr:`Do.REDELIVER` and :attr:`Do.BACK_OFF`: seconds until the copy is
+        delivered (a back-off's from :class:`~taskonce.outage.Backoff`, the same rule for
+        every framework).
     :param error: the exception behind ``BACK_OFF``, ``REJECT``, ``LOST`` and ``RAISE``; on
         ``ACK``, a problem to log (the result could not be stored, or, outside a transaction,
         the outcome could not be recorded).
-    :param ran: the handler ran (the action comes from :func:`after`).
+    :param ran: the handler ran (the action comes from :func:`after`). Its ticket is then
+        settled (:attr:`Ticket.settled`): the adapter acts on the action and never calls
+        :meth:`Guard.fail` after it.
     """
 
     do: Do
@@ -77,9 +82,36 @@ def before(
     delivery: Callable[[], Delivery | None],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
+    backoff: Backoff = DEFAULT_BACKOFF,
 ) -> Action:
     """Ask ``guard`` what to do with a delivery before its handler runs. ``delivery()`` builds
     it (a configuration error there is refused like the guard's own); None: not guarded.
+    ``backoff`` gives a ``BACK_OFF`` its ``delay``, by the delivery's ``store_errors``."""
+    described: list[Delivery | None] = []
+
+    def describe() -> Delivery | None:
+        described.append(delivery())
+        return described[-1]
+
+    action = _decide(guard, describe, args, kwargs)
+    if action.do is Do.BACK_OFF:  # the one back-off rule of every framework
+        last = described[-1] if described else None  # None: delivery() raised
+        return dataclasses.replace(action, delay=_backoff(backoff, last))
+    return action
+
+
+def _backoff(backoff: Backoff, delivery: Delivery | None) -> float:
+    """Seconds before a delivery backed off is tried again."""
+    return backoff.delay(0 if delivery is None else delivery.store_errors)
+
+
+def _decide(
+    guard: Guard,
+    delivery: Callable[[], Delivery | None],
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+) -> Action:
+    """:func:`before`'s answer, but a ``BACK_OFF``'s delay.
 
     An unexpected error (not a :class:`~taskonce.TaskonceError` the guard means) is an outage:
     see :func:`_internal_error`."""
@@ -128,15 +160,21 @@ def _internal_error(guard: Guard, described: Delivery | None, exc: Exception) ->
     return Action(Do.BACK_OFF, error=exc)
 
 
-def after(guard: Guard, ticket: Ticket, result: Any) -> Action:
+def after(guard: Guard, ticket: Ticket, result: Any, backoff: Backoff = DEFAULT_BACKOFF) -> Action:
     """Record the successful run of ``ticket``'s handler (:meth:`Guard.finish`) and say what
-    to do with the message. A transactional run whose commit failed is rolled back
-    (:meth:`Guard.fail`) and backs off: its writes are gone, it must run again.
+    to do with the message. The ticket is settled after this, whatever it answers: a
+    transactional run that could not commit was rolled back and its claim released, once, by
+    the guard. What follows is decided here, the same for every framework:
+
+    - a store that failed at the commit (unreachable) backs off: the writes are gone, it must
+      run again, and that is not the handler's failure (no retry counted);
+    - a commit the handler's own writes refused (a constraint checked at commit, Django's
+      rollback-only transaction) is the handler's failure, ``RAISE``: the framework's failure
+      path, with its own retry rules, exactly as if the handler had raised it.
 
     An unexpected error while recording is treated as the store failing: outside a transaction
     the handler's effects stand unrecorded (acknowledged, logged); in one they were rolled back
-    (the guard released the claim), so it backs off and runs again. Only an error at the
-    commit that is the handler's own (its constraint checked at commit) is its failure."""
+    (the guard released the claim), so it backs off and runs again."""
     try:
         guard.finish(ticket, result)
     except LeaseLost as exc:
@@ -144,8 +182,8 @@ def after(guard: Guard, ticket: Ticket, result: Any) -> Action:
     except StoreUnavailable as exc:
         if not ticket.policy.transactional:
             return Action(Do.ACK, ticket, error=exc, ran=True)  # effects stand, unrecorded
-        guard.fail(ticket, exc)
-        return Action(Do.BACK_OFF, ticket, error=exc, ran=True)
+        delay = _backoff(backoff, ticket.delivery)
+        return Action(Do.BACK_OFF, ticket, delay, exc, ran=True)  # rolled back, released
     except InvalidInput as exc:  # store_result and a result JSON cannot hold: recorded without
         return Action(Do.ACK, ticket, error=exc, ran=True)
     except PayloadMismatch as exc:  # found at a transactional mark, rolled back
@@ -161,7 +199,8 @@ def after(guard: Guard, ticket: Ticket, result: Any) -> Action:
         )
         internal.report(exc, f"recording {ticket.delivery.task}[{ticket.key}]", then)
         if transactional:  # Guard.finish rolled it back and released the claim already
-            return Action(Do.BACK_OFF, ticket, error=exc, ran=True)
+            delay = _backoff(backoff, ticket.delivery)
+            return Action(Do.BACK_OFF, ticket, delay, exc, ran=True)
         return Action(Do.ACK, ticket, ran=True)  # logged above: effects stand, unrecorded
     return _of(ticket, ran=True)
 

@@ -372,9 +372,14 @@ class Guard:
         :meth:`_decide`); a different payload under the key raises :class:`PayloadMismatch`.
         Adapters look at the decision after this returns. A commit failing on the handler's
         account (a deferred constraint; Django's rollback-only transaction) is its failure.
+
+        Whatever happens, the ticket is settled here (:attr:`Ticket.settled`): a transactional
+        run that could not commit is rolled back and its claim released, once, before the
+        error is raised; :meth:`fail` after this does nothing.
         """
-        if ticket.decision is not Decision.RUN:
+        if ticket.decision is not Decision.RUN or ticket.settled:
             return
+        ticket.settled = True
         self._stop_heartbeat(ticket)
         sends = end_capture(ticket)
         key = ticket.key
@@ -385,7 +390,7 @@ class Guard:
         # The sends' dispatch token: the claim's owner token (eager), a fresh one (lazy).
         token = ticket.owner or (secrets.token_hex(16) if sends else "")
         transactional = ticket._session is not None
-        recorded = False
+        recorded = rolled_back = False
         try:
             recorded = write_outcome(
                 self.store, ticket, encoded, sends, token, self.recorder_hold, self._emit
@@ -395,13 +400,19 @@ class Guard:
                 ticket.lost = True
                 self._emit(Event.LEASE_LOST, ticket, duration=True)
             raise
-        except Exception as exc:
-            if transactional and not isinstance(exc, StoreUnavailable):
-                close_session(ticket)  # a commit failed on the handler's account (see above)
-                self._release(ticket)  # or taskonce failed: rolled back, to run again
+        except BaseException as exc:
+            if transactional:
+                # Rolled back, nothing of this run stands: its commit refused on the handler's
+                # account (see above), the store failing, or taskonce failing. The claim is
+                # released below, once: the run must be able to run again.
+                rolled_back = True
+                if isinstance(exc, StoreUnavailable):
+                    self._emit(Event.STORE_ERROR, ticket, duration=True)
+                raise
+            if not isinstance(exc, Exception):
                 raise
             self._emit(Event.STORE_ERROR, ticket, duration=True)
-            if sends and ticket._session is None:
+            if sends:
                 # Its effects stand, its outcome unrecorded: its messages leave now, best
                 # effort (a redelivery that runs it again sends them under the same ids).
                 recorded = self.dispatcher.publish_all(key, sends) is not None
@@ -412,9 +423,16 @@ class Guard:
             close_session(ticket)
             if sends and not recorded:
                 self._emit(Event.SENDS_DISCARDED, ticket, count=len(sends))
+            if rolled_back:
+                self._undo(ticket)
         if transactional and not recorded:
             # The mark met a live record (transaction rolled back): decide as a look-up would.
-            self._decide(ticket, winning_record(self.store, ticket, self._emit), rolled_back=True)
+            try:
+                record = winning_record(self.store, ticket, self._emit)
+            except StoreUnavailable:
+                self._undo(ticket)  # it cannot be decided: it must come again
+                raise
+            self._decide(ticket, record, rolled_back=True)
             return
         if sends:
             self._emit(Event.SENDS_DEFERRED, ticket, count=len(sends))
@@ -428,14 +446,23 @@ class Guard:
     def fail(self, ticket: Ticket, exc: BaseException | None = None) -> None:
         """Undo after the handler raised (including framework retries): roll back the
         transaction and release the claim (eager) so the retry can claim again. Never raises
-        over the handler's own exception; problems are logged and emitted."""
-        if ticket.decision is not Decision.RUN:
+        over the handler's own exception; problems are logged and emitted.
+
+        A settled ticket (:attr:`Ticket.settled`: :meth:`finish` or ``fail`` ran for it) is
+        left alone: its claim was recorded, lost or released already."""
+        if ticket.decision is not Decision.RUN or ticket.settled:
             return
+        ticket.settled = True
         self._stop_heartbeat(ticket)
         sends = end_capture(ticket)
         if sends:
             self._emit(Event.SENDS_DISCARDED, ticket, count=len(sends))
         close_session(ticket)
+        self._undo(ticket)
+
+    def _undo(self, ticket: Ticket) -> None:
+        """The run failed (or was rolled back): release its claim so a retry can claim the key
+        again, and note the failed delivery for its sender's receipt."""
         self._release(ticket)
         receipts.note_failure(self.store, ticket.key, ticket.policy.keep_for)
 

@@ -13,15 +13,18 @@ At a worker's start an unreachable store is almost always a mistake in its URL, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
+import random
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from taskonce.errors import StoreUnavailable
+from taskonce.errors import ConfigError, StoreUnavailable
 
 if TYPE_CHECKING:
     from taskonce.stores.base import Store
@@ -34,6 +37,60 @@ REMIND_EVERY = 60.0
 START_TIMEOUT = 30.0
 #: Seconds between two tries while waiting at start.
 _START_POLL = 1.0
+#: The back-off after a store error (:class:`Backoff`): the first, and the longest, in seconds.
+BACKOFF_FIRST = 1.0
+BACKOFF_CAP = 60.0
+#: Doublings after which the back-off stops growing (far beyond any cap: 2**32 s).
+_MAX_DOUBLINGS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Backoff:
+    """How long a delivery that met an unusable store waits before it is tried again: the one
+    rule of both adapters, carried in :attr:`Action.delay <taskonce.action.Action>` of a
+    ``BACK_OFF``.
+
+    The ``n``-th consecutive back-off of one message (``attempt`` ``n - 1``, counted on the
+    copy the adapter publishes again) waits ``first × 2**attempt`` seconds, at most ``cap``,
+    drawn in the upper half of that (jitter): the copies one outage held back do not all come
+    back at the same moment. Defaults 1 s and 60 s: 0.5–1 s, 1–2 s, 2–4 s, … 30–60 s.
+
+    :raises ConfigError: ``first`` or ``cap`` is not a positive finite number of seconds, or
+        ``cap`` is less than ``first``; ``name`` says whose setting it is.
+    """
+
+    first: float = BACKOFF_FIRST
+    cap: float = BACKOFF_CAP
+    name: str = "Backoff"
+
+    def __post_init__(self) -> None:
+        for field, value in (("first", self.first), ("cap", self.cap)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ConfigError(
+                    f"{self.name}: {field}={value!r} must be a positive number of seconds"
+                )
+        if self.cap < self.first:
+            raise ConfigError(
+                f"{self.name}: cap={self.cap!r} is less than first={self.first!r} seconds"
+            )
+
+    def longest(self, attempt: int) -> float:
+        """The longest wait of back-off number ``attempt`` (0: the first)."""
+        return min(self.first * 2.0 ** min(max(attempt, 0), _MAX_DOUBLINGS), self.cap)
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before back-off number ``attempt`` (0: the first) is tried again."""
+        longest = self.longest(attempt)
+        return random.uniform(longest / 2, longest)  # jitter: copies of one outage spread out
+
+
+#: The back-off when an adapter is given none.
+DEFAULT_BACKOFF = Backoff()
 
 
 class StoreHealth:

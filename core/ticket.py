@@ -48,6 +48,9 @@ class Delivery:
         ``self.replace()``; 0 for a message that replaces nothing): the ids of its sends derive
         from its key *and* this, so they never collide with those of the task it replaced
         (:func:`taskonce.handoff.id_base`).
+    :param store_errors: how many times in a row this message was put back because the store
+        could not be used (the adapters count it on the copy they publish again): the next
+        back-off is longer (:class:`taskonce.outage.Backoff`).
     """
 
     message_id: str
@@ -59,11 +62,13 @@ class Delivery:
     override: Policy | Mapping[str, Any] | None = None
     deferred: int = 0
     replaced: int = 0
+    store_errors: int = 0
 
 
 @dataclasses.dataclass
 class Ticket:
-    """The guard's handle on one delivery between :meth:`Guard.begin` and finish/fail."""
+    """The guard's handle on one delivery between :meth:`Guard.begin` and finish/fail; once
+    either has run it is :attr:`settled`."""
 
     delivery: Delivery
     policy: Policy
@@ -78,6 +83,11 @@ class Ticket:
     stored_result: Any = None
     started: float = dataclasses.field(default_factory=time.monotonic)
     lost: bool = False
+    #: the run's outcome is settled: :meth:`Guard.finish` recorded it (or found it lost, a
+    #: duplicate, or rolled back and released its claim) or :meth:`Guard.fail` undid it. Both
+    #: do nothing on a settled ticket: its claim is released at most once, and a second
+    #: release never reports a lease nobody lost (``lease_lost``).
+    settled: bool = False
     _heartbeat: int | None = None
     _session: Session | None = None
     _session_token: contextvars.Token[Session | None] | None = None

@@ -43,6 +43,7 @@ from taskonce.dramatiq_ext.errors import (
     Rejected,
     StoreDown,
 )
+from taskonce.dramatiq_ext.failure import fail_as_raised
 from taskonce.dramatiq_ext.handoff import (
     Finisher,
     install,
@@ -52,7 +53,7 @@ from taskonce.dramatiq_ext.handoff import (
 )
 from taskonce.dramatiq_ext.options import ActorPolicies
 from taskonce.dramatiq_ext.order import check_order
-from taskonce.dramatiq_ext.redelivery import Redelivery, deferrals
+from taskonce.dramatiq_ext.redelivery import Redelivery, deferrals, store_errors
 from taskonce.dramatiq_ext.requeue import requeue_warnings
 from taskonce.dramatiq_ext.results import keep_first_result
 from taskonce.dramatiq_ext.tickets import TicketBook
@@ -61,7 +62,7 @@ from taskonce.exits import EXIT_CONFIG as EXIT_CONFIG  # the adapters' public na
 from taskonce.guard import Delivery, Guard, Ticket
 from taskonce.handoff import Receipt
 from taskonce.keys import make_key
-from taskonce.outage import START_TIMEOUT
+from taskonce.outage import START_TIMEOUT, Backoff
 
 if TYPE_CHECKING:
     from dramatiq import Actor, Broker, Worker
@@ -103,7 +104,7 @@ class IdempotencyMiddleware(Middleware):
         by the *canonical* queue name (``payments.DQ`` and ``payments.XQ`` are ``payments``).
     :param store_error_min_backoff: milliseconds before a delivery that found the store
         unreachable (``fail_closed``) is tried again; doubled, with jitter, per consecutive
-        failure. Default 1000.
+        failure (:class:`taskonce.outage.Backoff`, the same rule as Celery's). Default 1000.
     :param store_error_max_backoff: the cap of that backoff in milliseconds. Default 60000.
     :param relay_every: seconds between two sweeps of each worker process's hand-off relay,
         which enqueues deferred sends left pending by a worker that died after recording an
@@ -164,9 +165,12 @@ class IdempotencyMiddleware(Middleware):
         self.finisher = Finisher(self)
         self.policies = ActorPolicies(guard)
         self.tickets = TicketBook()
-        self.redelivery = Redelivery(
-            store_error_min_backoff=store_error_min_backoff,
-            store_error_max_backoff=max(store_error_min_backoff, store_error_max_backoff),
+        self.redelivery = Redelivery()
+        #: the delay of a delivery put back after a store error (the core's one rule)
+        self.backoff = Backoff(
+            first=store_error_min_backoff / 1000,
+            cap=max(store_error_min_backoff, store_error_max_backoff) / 1000,
+            name="IdempotencyMiddleware store_error_min_backoff/store_error_max_backoff",
         )
         self._declared_here: set[str] = set()
         self._queues: dict[str, str] = {}
@@ -290,7 +294,11 @@ class IdempotencyMiddleware(Middleware):
         # through MessageProxy.__getattr__, nine of them per delivery.
         msg = _message_of(message)
         action = before(
-            self.guard, lambda: self._delivery(broker, message, msg), msg.args, msg.kwargs
+            self.guard,
+            lambda: self._delivery(broker, message, msg),
+            msg.args,
+            msg.kwargs,
+            self.backoff,
         )
         DRAMATIQ[action.do][0](self, broker, message, action)
         # The actor runs (the rows that do not raise): taskonce.current_key() in this thread
@@ -310,6 +318,7 @@ class IdempotencyMiddleware(Middleware):
             redelivered=_redelivered(message),
             override=policy,
             deferred=deferrals(msg.options),
+            store_errors=store_errors(msg.options),
         )
 
     def _canonical(self, queue_name: str) -> str:
@@ -320,10 +329,10 @@ class IdempotencyMiddleware(Middleware):
         return queue
 
     def _put_back_after_store_error(
-        self, broker: Broker, message: MessageProxy, exc: Exception
+        self, broker: Broker, message: MessageProxy, exc: Exception, backoff: float
     ) -> NoReturn:
         try:
-            delay = self.redelivery.after_store_error(broker, message)
+            delay = self.redelivery.after_store_error(broker, message, backoff)
         except Exception as enqueue_exc:
             raise GuardError(
                 f"store unreachable ({exc}) and the broker refused the redelivery of message "
@@ -391,7 +400,7 @@ class IdempotencyMiddleware(Middleware):
         self._finish(broker, message, ticket, result)
 
     def _finish(self, broker: Broker, message: MessageProxy, ticket: Ticket, result: Any) -> None:
-        action = after(self.guard, ticket, result)
+        action = after(self.guard, ticket, result, self.backoff)
         DRAMATIQ[action.do][1](self, broker, message, action)
 
     # -- the rows of the table (DRAMATIQ, below the class) ---------------------------------
@@ -434,11 +443,11 @@ class IdempotencyMiddleware(Middleware):
     def _back_off(self, broker: Broker, message: MessageProxy, action: Action) -> None:
         if not action.ran:  # the store unreachable, or an internal error (taskonce.action)
             assert isinstance(action.error, Exception)
-            self._put_back_after_store_error(broker, message, action.error)
+            self._put_back_after_store_error(broker, message, action.error, action.delay)
         # The actor's transaction was rolled back with the mark (the guard released the
         # claim): run it again later.
         try:
-            delay = self.redelivery.after_store_error(broker, message)
+            delay = self.redelivery.after_store_error(broker, message, action.delay)
         except Exception:
             logger.exception(
                 "message %s: transaction rolled back (%s) and the redelivery failed; its "
@@ -472,7 +481,7 @@ class IdempotencyMiddleware(Middleware):
         logger.warning("lease of %s was lost while message %s ran", key, message)
 
     def _error(self, broker: Broker, message: MessageProxy, action: Action) -> None:
-        error, ticket = action.error, action.ticket
+        error = action.error
         if not action.ran:
             logger.error(
                 "the guard could not decide on message %s",
@@ -483,18 +492,10 @@ class IdempotencyMiddleware(Middleware):
                 f"taskonce could not decide whether to run message {message.message_id!r} "
                 f"({type(error).__name__}: {error}); it was not run"
             ) from error
-        assert ticket is not None and isinstance(error, Exception)
-        if ticket.policy.transactional:
-            self.guard.fail(ticket, error)
-            self._back_off(broker, message, action)
-            return
-        logger.error(
-            "message %s ran but %s could not be recorded (%s); a redelivery after the lease may "
-            "run it again",
-            message.message_id,
-            ticket.key,
-            error,
-        )
+        assert error is not None
+        # The actor's failure found at its commit (rolled back, the claim released by the
+        # guard): Dramatiq's failure path, as if the actor had raised it (Retries, on_failure).
+        fail_as_raised(broker, message, error)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         """A middleware after this one skipped a delivery this middleware claimed: release."""

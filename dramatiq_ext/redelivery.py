@@ -2,7 +2,8 @@
 
 Two outcomes of the guard put a message back instead of running it: a duplicate whose key
 another live owner is processing (deliver again when that owner's lease would run out) and a
-store that cannot be reached under ``fail_closed`` (deliver again after a backoff). Neither is
+store that cannot be reached under ``fail_closed`` (deliver again after the guard's back-off,
+:class:`taskonce.outage.Backoff`, longer for each store error in a row). Neither is
 the message's failure, so neither goes through ``Retries``: ``message.options["retries"]`` is
 left as it is, ``max_retries`` is never exhausted by them, and no ``on_failure`` callback
 fires. The copy is enqueued *before* the current delivery is acknowledged, so a crash between
@@ -14,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from dramatiq.common import compute_backoff, q_name
+from dramatiq.common import q_name
 
 from taskonce.handoff import send_now
 
@@ -30,21 +31,22 @@ DEFERRED_OPTION = "taskonce_deferred"
 
 def deferrals(options: dict[str, object]) -> int:
     """How many times the guard deferred this copy before (:data:`DEFERRED_OPTION`)."""
-    value = options.get(DEFERRED_OPTION, 0)
+    return _count(options, DEFERRED_OPTION)
+
+
+def store_errors(options: dict[str, object]) -> int:
+    """How many times in a row this copy was put back after a store error
+    (:data:`STORE_ERRORS_OPTION`)."""
+    return _count(options, STORE_ERRORS_OPTION)
+
+
+def _count(options: dict[str, object], name: str) -> int:
+    value = options.get(name, 0)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 class Redelivery:
-    """Enqueues delayed copies of a delivery.
-
-    :param store_error_min_backoff: milliseconds before the first redelivery after the store
-        could not be reached; doubled (with jitter) for each consecutive one.
-    :param store_error_max_backoff: the cap of that backoff, in milliseconds.
-    """
-
-    def __init__(self, *, store_error_min_backoff: int, store_error_max_backoff: int) -> None:
-        self.min_backoff = store_error_min_backoff
-        self.max_backoff = store_error_max_backoff
+    """Enqueues delayed copies of a delivery."""
 
     def after_lease(self, broker: Broker, message: MessageProxy, retry_after: float) -> int:
         """Enqueue ``message`` again, ``retry_after`` seconds from now (the remaining lease of
@@ -53,13 +55,14 @@ class Redelivery:
         self._enqueue(broker, message, delay, {DEFERRED_OPTION: deferrals(message.options) + 1})
         return delay
 
-    def after_store_error(self, broker: Broker, message: MessageProxy) -> int:
-        """Enqueue ``message`` again after an exponential backoff. Returns the delay in
-        milliseconds."""
-        errors = int(message.options.get(STORE_ERRORS_OPTION, 0))
-        _, delay = compute_backoff(errors, factor=self.min_backoff, max_backoff=self.max_backoff)
+    def after_store_error(self, broker: Broker, message: MessageProxy, backoff: float) -> int:
+        """Enqueue ``message`` again ``backoff`` seconds from now (the guard's back-off,
+        :class:`taskonce.outage.Backoff`), counting the store error on the copy. Returns the
+        delay in milliseconds."""
+        delay = max(1, math.ceil(backoff * 1000))
+        errors = store_errors(message.options)
         self._enqueue(broker, message, delay, {STORE_ERRORS_OPTION: errors + 1})
-        return int(delay)
+        return delay
 
     @staticmethod
     def _enqueue(

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery, chord, group, signals
+from sqlalchemy.exc import IntegrityError
 
 import taskonce
 from taskonce.celery_ext import IdempotentTask, setup
@@ -287,6 +288,25 @@ def effect(
         time.sleep(sleep_first)  # the test SIGSTOPs this child meanwhile
     if fail_first and runs == 1:
         raise self.retry(countdown=0)  # rolls the insert back, releases the claim
+    return label
+
+
+@guarded_task(
+    acks_late=True,
+    autoretry_for=(IntegrityError,),
+    retry_kwargs={"countdown": 0, "max_retries": 1},
+    name="t.effect_autoretry",
+)
+def effect_autoretry(self: Any, table: str, effects: str, label: str) -> str:
+    """``t.effect`` retried once on an ``IntegrityError`` (``autoretry_for``): also one its
+    transaction's commit raises (a constraint checked at commit)."""
+    from sqlalchemy import text
+
+    if not _TABLE.match(effects):
+        raise ValueError(f"bad table name {effects!r}")
+    count_run(table, self, label)
+    session = taskonce.current_session()
+    session.execute(text(f"INSERT INTO {effects} (label) VALUES (:label)"), {"label": label})
     return label
 
 

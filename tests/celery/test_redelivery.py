@@ -7,6 +7,7 @@ whose store is a throwaway redis-server this test stops and starts again.
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from tests.celery.conftest import (
     start_stack,
     stop_stack,
 )
-from tests.helpers import RedisServer, wait_for
+from tests.helpers import RedisServer, event_time, wait_for
 
 
 @pytest.fixture(params=["redis", "postgresql"], ids=["redis-store", "pg-store"])
@@ -84,7 +85,9 @@ def test_store_down_fail_closed_not_run_then_run_once_when_back(
     tmp_path: Path, runs: Table
 ) -> None:
     """fail_closed with the store unreachable: the task is not run, it is delivered again
-    later (store_error events, no runs); when the store is back it runs exactly once."""
+    later (store_error events, no runs), each time a little later (the core's one back-off
+    rule, ``taskonce_store_retry_delay`` the first: 0.5 s here), never counted as a retry;
+    when the store is back it runs exactly once."""
     server = RedisServer().start()
     stack = start_stack(
         tmp_path,
@@ -99,9 +102,15 @@ def test_store_down_fail_closed_not_run_then_run_once_when_back(
         task_id = str(uuid.uuid4())
         stack.send("t.record", (runs.name, "store-down"), "eager", task_id=task_id)
 
-        wait_for(lambda: stack.count(task_id, "store_error") >= 3, timeout=30, what="store errors")
+        wait_for(lambda: stack.count(task_id, "store_error") >= 5, timeout=30, what="store errors")
         assert runs.count("store-down") == 0
         assert stack.count(task_id, "claimed") == 0
+        errors = [e for e in stack.events(task_id) if e["event"] == "store_error"]
+        assert {e["attempt"] for e in errors} == {0}  # Celery's retries untouched
+        gaps = [event_time(b) - event_time(a) for a, b in itertools.pairwise(errors)]
+        # The n-th back-off in a row waits between half of and 0.5 × 2**n s (Backoff): a fixed
+        # delay would leave ~0.5 s between every two deliveries.
+        assert gaps[2] >= 1.0 and gaps[3] >= 2.0, gaps
 
         server.start()  # same port
         wait_for(lambda: stack.count(task_id, "completed") == 1, timeout=30, what="the run")

@@ -279,7 +279,8 @@ def test_the_key_inside_and_a_rollback_only_commit_stays_the_handlers_failure(
     import taskonce
     from taskonce.action import Do, after, before
 
-    guard = make_guard(mode="eager")
+    events = Events()
+    guard = make_guard([events], mode="eager")
     assert guard.run("m1", "pay", taskonce.current_key).value == "pay:m1"
     if alias == "sqlite":
         pytest.skip("SQLite keeps the transaction usable after a constraint error")
@@ -298,3 +299,5 @@ def test_the_key_inside_and_a_rollback_only_commit_stays_the_handlers_failure(
     done = after(guard, action.ticket, None)
     assert done.do is Do.RAISE and isinstance(done.error, TransactionManagementError)
     assert guard.store.get("pay:m2") is None  # released: the retry runs it
+    guard.fail(action.ticket, done.error)  # settled: no second release (once, lease_lost)
+    assert [e["event"] for e in events.seen if e["message_id"] == "m2"] == ["claimed", "released"]

@@ -12,13 +12,14 @@ from taskonce.dramatiq_ext.redelivery import (
     STORE_ERRORS_OPTION,
     Redelivery,
     deferrals,
+    store_errors,
 )
 
 
 def test_each_deferral_counts_itself_on_the_copy_and_a_store_error_resets_it() -> None:
     broker = StubBroker()
     broker.declare_queue("q")
-    redelivery = Redelivery(store_error_min_backoff=10, store_error_max_backoff=20)
+    redelivery = Redelivery()
     message = Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={})
     counts = []
     for _ in range(3):
@@ -27,14 +28,20 @@ def test_each_deferral_counts_itself_on_the_copy_and_a_store_error_resets_it() -
         message = Message.decode(message) if isinstance(message, bytes) else message
         counts.append(deferrals(message.options))
     assert counts == [1, 2, 3]
-    redelivery.after_store_error(broker, MessageProxy(message))
+    assert redelivery.after_store_error(broker, MessageProxy(message), 0.0123) == 13  # ms
     copy = broker.queues["q.DQ"].get_nowait()
     copy = Message.decode(copy) if isinstance(copy, bytes) else copy
     assert DEFERRED_OPTION not in copy.options and copy.options[STORE_ERRORS_OPTION] == 1
+    assert store_errors(copy.options) == 1
+    redelivery.after_store_error(broker, MessageProxy(copy), 0.01)
+    again = broker.queues["q.DQ"].get_nowait()
+    again = Message.decode(again) if isinstance(again, bytes) else again
+    assert store_errors(again.options) == 2  # a store error in a row: counted on
     broker.close()
 
 
 def test_a_count_that_is_no_positive_int_is_none() -> None:
     for value in (None, True, -1, "2", 1.5):
         assert deferrals({DEFERRED_OPTION: value}) == 0
+        assert store_errors({STORE_ERRORS_OPTION: value}) == 0
     assert deferrals({}) == 0 and deferrals({DEFERRED_OPTION: 4}) == 4
