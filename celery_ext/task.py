@@ -575,7 +575,7 @@ CELERY: dict[Do, Callable[[IdempotentTask, Action, _Call], Any]] = {
     Do.ACK: IdempotentTask._ack,  # return the result (SUCCESS, callbacks); log a problem
     Do.SKIP: IdempotentTask._skip,  # Ignore: nothing stored, no callbacks, acknowledged
     Do.REDELIVER: IdempotentTask._redeliver,  # publish again, countdown=delay; Ignore
-    Do.BACK_OFF: IdempotentTask._back_off,  # the same after taskonce_store_retry_delay
+    Do.BACK_OFF: IdempotentTask._back_off,  # the same after the action's back-off delay
     Do.REJECT: IdempotentTask._refuse,  # Reject(requeue=False): dead-lettered (+ FAILURE)
     Do.LOST: IdempotentTask._lost,  # Ignore: the run that took the claim over is of record
     Do.RAISE: IdempotentTask._raise,  # its commit refused: autoretry_for, else FAILURE
