@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from taskonce.handoff import Capture
+    from taskonce.keys import PayloadEncoder
 
 
 class Decision(str, enum.Enum):
@@ -48,6 +49,8 @@ class Delivery:
         ``self.replace()``; 0 for a message that replaces nothing): the ids of its sends derive
         from its key *and* this, so they never collide with those of the task it replaced
         (:func:`taskonce.handoff.id_base`).
+    :param encode_payload: the framework's encoding of ``(task, args, kwargs)`` that the payload
+        fingerprint hashes (Celery's serializer, Dramatiq's encoder); None: canonical JSON.
     """
 
     message_id: str
@@ -59,6 +62,7 @@ class Delivery:
     override: Policy | Mapping[str, Any] | None = None
     deferred: int = 0
     replaced: int = 0
+    encode_payload: PayloadEncoder | None = None
 
 
 @dataclasses.dataclass

@@ -45,6 +45,7 @@ from taskonce.dramatiq_ext.errors import (
 )
 from taskonce.dramatiq_ext.handoff import (
     Finisher,
+    encode_payload,
     install,
     place_finisher,
     sends_after_success,
@@ -284,6 +285,7 @@ class IdempotencyMiddleware(Middleware):
             redelivered=_redelivered(message),
             override=policy,
             deferred=deferrals(msg.options),
+            encode_payload=encode_payload,
         )
 
     def _canonical(self, queue_name: str) -> str:

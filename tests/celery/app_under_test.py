@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import kombu.messaging
 from celery import Celery, chord, group, signals
 
 import taskonce
@@ -365,12 +366,21 @@ def arm_kill(at: int) -> None:
     _KILL[:] = [at, 0]
 
 
-@signals.before_task_publish.connect
-def _die_at_nth_publish(**_: Any) -> None:
+_publish = kombu.messaging.Producer.publish
+
+
+def _die_at_nth_publish(producer: Any, *args: Any, **kwargs: Any) -> Any:
+    """kombu's publish, counted: what reaches the broker (a guarded body's sends are made —
+    ``before_task_publish`` and all — when it sends them, and reach the broker after its
+    outcome is recorded)."""
     if _KILL:
         _KILL[1] += 1
         if _KILL[1] >= _KILL[0]:
             os.kill(os.getpid(), signal.SIGKILL)
+    return _publish(producer, *args, **kwargs)
+
+
+kombu.messaging.Producer.publish = _die_at_nth_publish  # type: ignore[method-assign]
 
 
 @signals.task_postrun.connect
