@@ -43,8 +43,10 @@ from kombu.utils import json as kombu_json
 
 from taskonce import handoff, replace
 from taskonce.celery_ext.message import (
+    BODY_DIGEST,
     MESSAGE,
     CapturingProducer,
+    delivered_encoder,
     payload_encoder,
     publish_stored,
     unencodable,
@@ -189,10 +191,18 @@ def capture_chord_part(task: Any, request: Any, retval: Any) -> None:
     request.chord = None
 
 
-def payload_encoding(task: Any) -> PayloadEncoder:
-    """How ``task``'s payload is encoded for its fingerprint: through its serializer
-    (:func:`~taskonce.celery_ext.message.payload_encoder`)."""
-    return payload_encoder(str(task.serializer or task.app.conf.task_serializer))
+def payload_encoding(task: Any, request: Any) -> PayloadEncoder:
+    """How the payload of ``task``'s delivery ``request`` is encoded for its fingerprint
+    (:func:`~taskonce.celery_ext.message.delivered_encoder`): canonical JSON where its
+    arguments have one, else its body as delivered, else its serializer's encoding."""
+    serializer = str(task.serializer or task.app.conf.task_serializer)
+    delivered = getattr(request, BODY_DIGEST, None)
+    if not isinstance(delivered, str):
+        headers = request.headers
+        delivered = headers.get(BODY_DIGEST) if isinstance(headers, Mapping) else None
+    if isinstance(delivered, str) and delivered:
+        return delivered_encoder(serializer, delivered)
+    return payload_encoder(serializer)
 
 
 def replaced_depth(request: Any) -> int:

@@ -40,14 +40,27 @@ _KOMBU_CANONICAL = kombu_json.JSONEncoder(
 )
 
 
+#: The header the worker's strategy writes for a message whose content type is not JSON: the
+#: SHA-256 of its body as delivered (:func:`taskonce.celery_ext.strategy.guarded`).
+BODY_DIGEST = "taskonce_body_sha256"
+
+
 @functools.cache
 def payload_encoder(serializer: str) -> PayloadEncoder:
-    """The payload encoding the fingerprint of a task on ``serializer`` hashes.
+    """The payload encoding the fingerprint of a task on ``serializer`` hashes, for a delivery
+    whose body is not at hand (an eager run): :func:`delivered_encoder` without a body."""
+    return delivered_encoder(serializer, None)
+
+
+def delivered_encoder(serializer: str, delivered: str | None) -> PayloadEncoder:
+    """The payload encoding the fingerprint of a delivery hashes.
 
     Canonical JSON where the arguments are plain JSON (the fingerprints taskonce always took);
-    else canonical JSON with kombu's types (keys sorted: a dict's order does not matter); else,
-    for a serializer without a canonical form (pickle, or an object msgpack/yaml carry), the
-    arguments as ``serializer`` encodes them — the same message redelivered encodes alike."""
+    else canonical JSON with kombu's types (keys sorted: a dict's order does not matter); else
+    — arguments only pickle (or an app's own serializer) carries, which have no canonical
+    form — the body as delivered (``delivered``: its digest), which a redelivery of the same
+    message and a re-publish of a stored send repeat byte for byte; without it, the arguments
+    as ``serializer`` encodes them."""
 
     def encode(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bytes:
         try:
@@ -58,6 +71,8 @@ def payload_encoder(serializer: str) -> PayloadEncoder:
         try:
             return _KOMBU_CANONICAL.encode(payload).encode("utf-8")
         except (TypeError, ValueError):
+            if delivered is not None:
+                return f"{task}\x00body:{delivered}".encode()
             if serializer == "json":
                 raise
         _, _, data = kombu_dumps(payload, serializer=serializer)

@@ -216,7 +216,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             override=self._policy(call.state, call.guard, call.queue, request),
             deferred=_deferred(request),
             replaced=celery_handoff.replaced_depth(request),
-            encode_payload=celery_handoff.payload_encoding(self),
+            encode_payload=celery_handoff.payload_encoding(self, request),
         )
 
     def _body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import itertools
 import json
 import logging
 import os
+import pickle
 import re
 import secrets
 import threading
@@ -121,6 +123,28 @@ def fingerprint(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> st
             "JSON-serialisable arguments or set check_payload=False for this task"
         ) from exc
     return digest(text)
+
+
+class _CanonicalPickler(pickle._Pickler):
+    """Pickle with the elements of sets and frozensets in a fixed order: their iteration order
+    follows string hashes, which differ from one process to the next, so the same set pickled
+    by two processes may give two byte strings."""
+
+    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+
+    def _save_unordered(self, obj: set[Any] | frozenset[Any]) -> None:
+        self.save_reduce(type(obj), (sorted(obj, key=canonical_pickle),), obj=obj)  # type: ignore[attr-defined]
+
+    dispatch[set] = _save_unordered
+    dispatch[frozenset] = _save_unordered
+
+
+def canonical_pickle(value: Any) -> bytes:
+    """``value`` pickled (protocol 4) with sets in a fixed order: the same value gives the same
+    bytes in every process, for a payload fingerprint of what only pickle carries."""
+    out = io.BytesIO()
+    _CanonicalPickler(out, protocol=4).dump(value)
+    return out.getvalue()
 
 
 _WARNED: set[str] = set()

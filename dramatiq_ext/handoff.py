@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 import dramatiq
 from dramatiq import Message, Middleware
-from dramatiq.encoder import JSONEncoder
+from dramatiq.encoder import JSONEncoder, PickleEncoder
 
 from taskonce import handoff
 from taskonce.errors import SendRefused
 from taskonce.handoff import Receipt, Send
-from taskonce.keys import canonical_json
+from taskonce.keys import canonical_json, canonical_pickle
 
 if TYPE_CHECKING:
     from dramatiq import Actor, Broker
@@ -114,9 +114,9 @@ def _enqueue(
         encoded = message.encode()  # the broker's encoder, as the broker's enqueue would
     except Exception as exc:
         raise SendRefused(
-            f"{capture.sender()} sent {message.actor_name!r} with arguments Dramatiq's encoder "
-            f"({type(dramatiq.get_encoder()).__name__}) could not encode: "
-            f"{type(exc).__name__}: {exc}"
+            f"{capture.sender()} sent {message.actor_name!r} with {_unencodable(message)} that "
+            f"Dramatiq's encoder ({type(dramatiq.get_encoder()).__name__}) cannot encode "
+            f"({type(exc).__name__}: {exc}); Dramatiq could not have sent it either"
         ) from exc
     body = {
         "actor_name": message.actor_name,
@@ -128,18 +128,35 @@ def _enqueue(
     return message
 
 
+def _unencodable(message: Message[Any]) -> str:
+    """Which argument of ``message`` the broker's encoder cannot encode, e.g.
+    ``"args[1] (set)"``; ``"an argument"`` when no single one is to blame."""
+    encoder = dramatiq.get_encoder()
+    named: list[tuple[str, Any]] = [(f"args[{i}]", v) for i, v in enumerate(message.args)]
+    named += [(f"kwargs[{k!r}]", v) for k, v in message.kwargs.items()]
+    for where, value in named:
+        try:
+            encoder.encode(value)
+        except Exception:
+            return f"{where} ({type(value).__name__})"
+    return "an argument"
+
+
 def encode_payload(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bytes:
     """How a delivery's payload is encoded for its fingerprint: canonical JSON (the
-    fingerprints taskonce always took), else — arguments only a non-JSON encoder carries
-    (``PickleEncoder``) — as the broker's encoder encodes them."""
+    fingerprints taskonce always took), else — arguments only a non-JSON encoder carries —
+    for ``PickleEncoder`` canonical pickle (sets in a fixed order: a redelivery decoded in
+    another process pickles alike), for another encoder as it encodes them."""
     try:
         return canonical_json(task, args, kwargs)
     except (TypeError, ValueError):
         encoder = dramatiq.get_encoder()
         if isinstance(encoder, JSONEncoder):
             raise
-    data = {"actor_name": task, "args": list(args), "kwargs": dict(kwargs)}
-    return encoder.encode(data)  # type: ignore[arg-type]
+    payload = [task, list(args), dict(kwargs)]
+    if isinstance(encoder, PickleEncoder):
+        return canonical_pickle(payload)
+    return encoder.encode({"actor_name": task, "args": list(args), "kwargs": dict(kwargs)})  # type: ignore[typeddict-item]
 
 
 def publisher(

@@ -7,7 +7,8 @@ or table (SQL). ``TO_EVENTS``: JSONL events file. ``TO_PG``: the PostgreSQL URL 
 tables. ``TO_LEASE``: lease of the guarded queues (``default``: the Policy's). ``TO_VISIBILITY``: Redis visibility timeout.
 ``TO_STORE_RETRY_DELAY``: ``taskonce_store_retry_delay``. ``TO_START_TIMEOUT``:
 ``taskonce_start_timeout``. ``TO_RELAY_EVERY``: ``taskonce_relay_every``.
-``TO_CONFIRM_WITHIN``: the default policy's ``confirm_within`` (receipts). ``TO_PROMETHEUS=1``:
+``TO_CONFIRM_WITHIN``: the default policy's ``confirm_within`` (receipts). ``TO_SERIALIZER``:
+the app's task and result serializer (default kombu's JSON). ``TO_PROMETHEUS=1``:
 a :class:`taskonce.PrometheusEvents` sink too (set ``PROMETHEUS_MULTIPROC_DIR``).
 ``TO_READY``: file written when the worker is ready.
 
@@ -77,6 +78,13 @@ app.conf.update(
     taskonce_relay_every=float(ENV.get("TO_RELAY_EVERY", "30")),
     taskonce_start_timeout=float(ENV.get("TO_START_TIMEOUT", "30")),
 )
+if ENV.get("TO_SERIALIZER"):  # e.g. "pickle": the app's task and result serializer
+    app.conf.update(
+        task_serializer=ENV["TO_SERIALIZER"],
+        result_serializer=ENV["TO_SERIALIZER"],
+        accept_content=[ENV["TO_SERIALIZER"], "json"],
+        result_accept_content=[ENV["TO_SERIALIZER"], "json"],
+    )
 
 queues: dict[str, Any] = {
     LAZY_Q: {"mode": "lazy"},
@@ -555,3 +563,8 @@ def _ready(**_: Any) -> None:
     path = ENV.get("TO_READY")
     if path:
         Path(path).write_text(str(os.getpid()))
+
+
+# -- serializers and argument types (tests/celery/test_serializers.py) ------------------------
+
+import tests.celery.typed_tasks  # noqa: E402, F401  (registers t.typed* on this app)
