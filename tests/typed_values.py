@@ -39,5 +39,7 @@ def wrong_types(values: tuple[Any, ...], expected: tuple[Any, ...] = VALUES) -> 
         return f"{len(values)} values, expected {len(expected)}"
     for i, (got, want) in enumerate(zip(values, expected, strict=True)):
         if type(got) is not type(want) or got != want:
-            return f"value {i}: {type(got).__name__} {got!r}, expected {type(want).__name__} {want!r}"
+            return (
+                f"value {i}: {type(got).__name__} {got!r}, expected {type(want).__name__} {want!r}"
+            )
     return ""

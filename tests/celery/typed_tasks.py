@@ -8,7 +8,7 @@ from typing import Any
 
 from celery import chain, chord, group
 
-from tests.celery.app_under_test import count_run, guarded_task, record
+from tests.celery.app_under_test import count_run, guarded_task
 from tests.typed_values import PARCEL, VALUES, wrong_types
 
 
@@ -25,7 +25,7 @@ def _check(task: Any, table: str, label: str, values: tuple[Any, ...], expected:
 def typed(self: Any, table: str, label: str, *values: Any, **extra: Any) -> str:
     """Takes the four values of :data:`tests.typed_values.VALUES` (a datetime, a Decimal, a
     UUID, bytes) positionally, ``when=`` the datetime again as a keyword."""
-    expected = VALUES + (VALUES[0],)
+    expected = (*VALUES, VALUES[0])
     return _check(self, table, label, (*values, extra.get("when")), expected)
 
 
@@ -42,12 +42,18 @@ def typed_fail(self: Any, table: str, label: str) -> str:
     raise RuntimeError(f"{label} fails on purpose")
 
 
-def typed_sig(table: str, label: str) -> Any:
+def typed_sig(app: Any, table: str, label: str) -> Any:
     """The immutable signature of ``t.typed`` with the four values."""
-    return typed.si(table, label, *VALUES, when=VALUES[0])
+    return app.signature(
+        "t.typed", args=(table, label, *VALUES), kwargs={"when": VALUES[0]}, immutable=True
+    )
 
 
-#: what ``t.typed_sender`` sends for each shape, and the labels that must each run once
+def _sig(app: Any, name: str, table: str, label: str) -> Any:
+    return app.signature(name, args=(table, label), immutable=True)
+
+
+#: what :func:`send_shape` sends for each shape: the labels that must each run once
 SHAPES: dict[str, tuple[str, ...]] = {
     "delay": ("delay",),
     "chain": ("chain-1", "chain-2"),
@@ -60,36 +66,42 @@ SHAPES: dict[str, tuple[str, ...]] = {
 }
 
 
-def send_shape(table: str, prefix: str, shape: str) -> None:
-    """Send one canvas shape carrying the four values (labels ``{prefix}{SHAPES label}``)."""
+def send_shape(app: Any, table: str, prefix: str, shape: str) -> None:
+    """Send one canvas shape carrying the four values through ``app`` (by task name, so the
+    test process's publisher app sends them too); labels ``{prefix}{label of SHAPES}``."""
     p = prefix
     if shape == "delay":
-        typed.delay(table, f"{p}delay", *VALUES, when=VALUES[0])
+        typed_sig(app, table, f"{p}delay").apply_async()
     elif shape == "chain":
-        chain(typed_sig(table, f"{p}chain-1"), typed_sig(table, f"{p}chain-2")).apply_async()
+        chain(typed_sig(app, table, f"{p}chain-1"), typed_sig(app, table, f"{p}chain-2"))()
     elif shape == "group":
-        group(typed_sig(table, f"{p}group-0"), typed_sig(table, f"{p}group-1")).apply_async()
+        group(typed_sig(app, table, f"{p}group-0"), typed_sig(app, table, f"{p}group-1"))()
     elif shape == "chord":
         chord(
-            [typed_sig(table, f"{p}chord-h0"), typed_sig(table, f"{p}chord-h1")],
-            typed_sig(table, f"{p}chord-body"),
-        ).apply_async()
+            [typed_sig(app, table, f"{p}chord-h0"), typed_sig(app, table, f"{p}chord-h1")],
+            typed_sig(app, table, f"{p}chord-body"),
+        )()
     elif shape == "link":
-        record.apply_async((table, f"{p}link-first"), link=typed_sig(table, f"{p}link-callback"))
+        _sig(app, "t.record", table, f"{p}link-first").apply_async(
+            link=typed_sig(app, table, f"{p}link-callback")
+        )
     elif shape == "link_error":
-        typed_fail.apply_async(
-            (table, f"{p}link_error-fails"), link_error=typed_sig(table, f"{p}link_error-errback")
+        _sig(app, "t.typed_fail", table, f"{p}link_error-fails").apply_async(
+            link_error=typed_sig(app, table, f"{p}link_error-errback")
         )
     elif shape == "group_link":
-        members = group(record.si(table, f"{p}group_link-0"), record.si(table, f"{p}group_link-1"))
-        members.link(typed_sig(table, f"{p}group_link-callback"))
+        members = group(
+            _sig(app, "t.record", table, f"{p}group_link-0"),
+            _sig(app, "t.record", table, f"{p}group_link-1"),
+        )
+        members.link(typed_sig(app, table, f"{p}group_link-callback"))
         members.apply_async()
     elif shape == "chord_errback":
         failing = chord(
-            [typed_fail.si(table, f"{p}chord_errback-fails")],
-            typed_sig(table, f"{p}chord_errback-never"),
+            [_sig(app, "t.typed_fail", table, f"{p}chord_errback-fails")],
+            typed_sig(app, table, f"{p}chord_errback-never"),
         )
-        failing.link_error(typed_sig(table, f"{p}chord_errback-errback"))
+        failing.link_error(typed_sig(app, table, f"{p}chord_errback-errback"))
         failing.apply_async()
     else:
         raise ValueError(f"unknown shape {shape!r}")
@@ -101,7 +113,7 @@ def typed_sender(self: Any, table: str, label: str, shapes: list[str]) -> str:
     outcome, published after it), labels prefixed ``{label}/``."""
     count_run(table, self, label)
     for shape in shapes:
-        send_shape(table, f"{label}/", shape)
+        send_shape(self.app, table, f"{label}/", shape)
     return label
 
 
@@ -109,7 +121,7 @@ def typed_sender(self: Any, table: str, label: str, shapes: list[str]) -> str:
 def typed_replacer(self: Any, table: str, label: str) -> Any:
     """Replaces itself with ``t.typed`` carrying the four values (label ``{label}-replaced``)."""
     count_run(table, self, label)
-    return self.replace(typed_sig(table, f"{label}-replaced"))
+    return self.replace(typed_sig(self.app, table, f"{label}-replaced"))
 
 
 @guarded_task(acks_late=True, reject_on_worker_lost=True, name="t.typed_obj_sender")
