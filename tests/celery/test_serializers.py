@@ -162,3 +162,28 @@ def test_sends_stored_in_the_old_format_are_published_after_an_upgrade(
     # this process's relay, or the worker's (every 2 s): whichever takes them first
     wait_for(lambda: guard.relay(older_than=0) >= 0 and not store.pending_sends(), 30, 0.5)
     labels_ran_once(runs, ["old-handoff", "old-outbox"])
+
+
+def test_django_send_on_commit_carries_the_types(jstack: Stack, runs: Table) -> None:
+    """``taskonce.django_ext.send_on_commit()``: the send is a row in Django's transaction
+    (the Django store on the test project's PostgreSQL database), published at the commit
+    through a publisher app on the worker's broker; it runs once with its types."""
+    from django.db import transaction
+
+    from taskonce.django_ext import DjangoStore
+    from taskonce.django_ext import send_on_commit as django_send_on_commit
+    from tests.celery.conftest import publisher
+    from tests.django_project import databases
+
+    databases.ready(["default"])
+    django_guard = taskonce.Guard(DjangoStore("default"))
+    app = publisher(str(jstack.app.conf.broker_url), jstack.prefix)
+    setup(app, django_guard)
+    try:
+        with transaction.atomic(), django_send_on_commit(guard=django_guard):
+            typed_sig(app, runs.name, "django-on-commit").apply_async()
+            assert runs.count("django-on-commit") == 0  # not before the commit
+        labels_ran_once(runs, ["django-on-commit"])
+    finally:
+        app.close()
+        django_guard.close()
