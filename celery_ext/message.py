@@ -255,7 +255,10 @@ def decoded(message: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any], dict
     headers = _untagged(message["headers"])
     if headers.get("compression"):
         raw = decompress(raw, headers["compression"])
-    body = kombu_loads(raw, message["content_type"], message["content_encoding"], accept=None)
+    # accepted explicitly: the process that made this message decodes it (pickle is disabled
+    # in kombu unless accepted)
+    content_type = message["content_type"]
+    body = kombu_loads(raw, content_type, message["content_encoding"], accept={content_type})
     if isinstance(body, Mapping):  # task protocol 1
         return list(body.get("args") or ()), dict(body.get("kwargs") or {}), headers
     args, kwargs = body[0], body[1]
