@@ -13,7 +13,7 @@ import re
 import secrets
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from taskonce.errors import InvalidInput
 from taskonce.stores.base import MAX_KEY_LENGTH
@@ -130,9 +130,9 @@ class _CanonicalPickler(pickle._Pickler):
     follows string hashes, which differ from one process to the next, so the same set pickled
     by two processes may give two byte strings."""
 
-    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict[type, Callable[[Any, Any], None]]] = dict(pickle._Pickler.dispatch)
 
-    def _save_unordered(self, obj: set[Any] | frozenset[Any]) -> None:
+    def _save_unordered(self, obj: Any) -> None:
         self.save_reduce(type(obj), (sorted(obj, key=canonical_pickle),), obj=obj)  # type: ignore[attr-defined]
 
     dispatch[set] = _save_unordered

@@ -156,7 +156,7 @@ def encode_payload(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) ->
     payload = [task, list(args), dict(kwargs)]
     if isinstance(encoder, PickleEncoder):
         return canonical_pickle(payload)
-    return encoder.encode({"actor_name": task, "args": list(args), "kwargs": dict(kwargs)})  # type: ignore[typeddict-item]
+    return encoder.encode({"actor_name": task, "args": list(args), "kwargs": dict(kwargs)})
 
 
 def publisher(
