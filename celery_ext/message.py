@@ -5,9 +5,9 @@ A guarded body's ``send_task`` runs as Celery runs it — routing, ``create_task
 ``before_task_publish`` receivers, the serializer and compression of kombu's ``Producer`` — up
 to the broker: :class:`CapturingProducer` keeps the message kombu would have handed to the
 channel (body bytes, content type, content encoding, headers, properties, exchange, routing key)
-instead of publishing it. :func:`stored` turns that into the JSON-safe body of a
-:class:`~taskonce.handoff.Send` (the body bytes in Base64), and :func:`publish_stored` publishes
-it again through a producer of the app, with the same bytes. So every serializer Celery
+instead of publishing it, in a JSON-safe form for the body of a :class:`~taskonce.handoff.Send`
+(the body bytes in Base64, the headers in kombu's JSON type tags), and :func:`publish_stored`
+publishes it again through a producer of the app, with the same bytes. So every serializer Celery
 supports (kombu's JSON with its types and the types an app registers, pickle, msgpack, yaml,
 ``pydantic=True`` tasks) and every part of the message — its canvas (``link``, ``link_error``,
 ``chain``, ``chord``) included — arrives as it would have without taskonce.
@@ -108,7 +108,7 @@ class CapturingProducer:
 
     def __init__(self, producer: Any) -> None:
         self._producer = producer
-        #: the captured message (:func:`stored` form), once ``publish`` ran
+        #: the captured message (JSON-safe, for :func:`publish_stored`), once ``publish`` ran
         self.message: dict[str, Any] | None = None
 
     def __getattr__(self, name: str) -> Any:
