@@ -5,10 +5,11 @@ Each piece is a translation; the guard decides everything else:
 
 - :func:`install` wraps the app's ``send_task`` — where ``.delay``, ``apply_async``, signatures,
   groups and a chord's header all end up. While :func:`taskonce.handoff.current` returns a
-  capture (a guarded body runs with ``defer_sends``), the call is recorded as a JSON body
-  (task name, arguments, publish options) instead of being published, and the caller gets the
-  usual :class:`~celery.result.AsyncResult` under the id fixed now: its own ``task_id``, else
-  one derived from the parent's key.
+  capture (a guarded body runs with ``defer_sends``), ``send_task`` makes the message as usual
+  under the id fixed now (its own ``task_id``, else one derived from the parent's key) and the
+  message — body bytes as its serializer encoded them, headers, properties, routing — is
+  recorded instead of published (:mod:`taskonce.celery_ext.message`); the caller gets the
+  usual :class:`~celery.result.AsyncResult`.
 - :func:`capture_links` captures the ``link`` callbacks and the next ``chain`` step, which
   Celery's tracer would publish after the body returns, and clears them from the request so the
   tracer does not.
@@ -17,8 +18,8 @@ Each piece is a translation; the guard decides everything else:
   send of that task's run, under the body's frozen id.
 - :func:`replaced` hands a run that replaces itself over (:mod:`taskonce.replace`): what it
   sent before ``self.replace()`` is recorded apart and published after the replacement.
-- :func:`publisher` re-creates each stored send with ``app.send_task`` under its id; the guard
-  calls it after the outcome is recorded, on a redelivery and from the relay.
+- :func:`publisher` publishes each stored message as it was made; the guard calls it after the
+  outcome is recorded, on a redelivery and from the relay.
 
 Never captured (they run outside the capture or inside :func:`taskonce.send_now`): the retry
 message of ``self.retry()``/``autoretry_for``, the replacement message of ``replace()`` (it
@@ -36,28 +37,31 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from celery.canvas import Signature
 from celery.exceptions import Ignore
+from kombu.exceptions import EncodeError
 from kombu.utils import json as kombu_json
 
 from taskonce import handoff, replace
-from taskonce.celery_ext.routing import stamped_queues
-from taskonce.errors import ConfigError
+from taskonce.celery_ext.message import (
+    BODY_DIGEST,
+    MESSAGE,
+    CapturingProducer,
+    delivered_encoder,
+    payload_encoder,
+    publish_stored,
+    unencodable,
+)
+from taskonce.celery_ext.routing import QUEUE_HEADER, stamped_queues
+from taskonce.errors import ConfigError, SendRefused
 from taskonce.guard import Guard, Ticket
 from taskonce.handoff import Receipt, Send
-from taskonce.keys import make_key
+from taskonce.keys import PayloadEncoder, make_key
 
 T = TypeVar("T")
 
 logger = logging.getLogger("taskonce.celery")
 
 FRAMEWORK = "celery"
-
-#: ``send_task`` arguments that are objects of the sending process, not part of the message:
-#: the publisher supplies its own.
-_LOCAL_OPTIONS = frozenset(
-    {"producer", "connection", "router", "result_cls", "publisher", "task_type", "add_to_parent"}
-)
 
 _INSTALL_LOCK = threading.Lock()
 _WRAPPED = "_taskonce_send_task"
@@ -78,68 +82,45 @@ def _send_task(app: Any, original: Callable[..., Any], name: str, *args: Any, **
     capture = handoff.current()
     if capture is None:
         return original(name, *args, **kw)
-    return _capture(app, capture, name, *args, **kw)
+    return _capture(app, original, capture, name, *args, **kw)
 
 
 # send_task's positional parameters after ``name``, in order.
 _POSITIONAL = ("args", "kwargs", "countdown", "eta", "task_id", "producer", "connection")
 
 
-def _capture(app: Any, capture: handoff.Capture, name: str, *positional: Any, **kw: Any) -> Any:
-    """Record one ``send_task`` call in ``capture``; the AsyncResult its caller expects."""
+def _capture(
+    app: Any,
+    original: Callable[..., Any],
+    capture: handoff.Capture,
+    name: str,
+    *positional: Any,
+    **kw: Any,
+) -> Any:
+    """Record one ``send_task`` call in ``capture``; the AsyncResult its caller expects.
+
+    ``send_task`` itself runs, under the id fixed now, through a producer that keeps the
+    message it is given (:class:`~taskonce.celery_ext.message.CapturingProducer`): routing,
+    headers, the ``before_task_publish`` receivers, the serializer and compression are
+    Celery's and kombu's, as in a plain publish; only the broker does not see it yet."""
     for field, value in zip(_POSITIONAL, positional, strict=False):
         kw[field] = value
-    args = _tagged(list(kw.pop("args", None) or ()))
-    kwargs = _tagged(dict(kw.pop("kwargs", None) or {}))
-    task_id = kw.pop("task_id", None)
-    result_cls = kw.get("result_cls")
-    add_to_parent = kw.get("add_to_parent", True)
-    options = {k: _plain(v) for k, v in kw.items() if k not in _LOCAL_OPTIONS and v is not None}
-    # What send_task would take from the running task: fixed now, the relay has no parent.
-    parent = app.current_worker_task
-    if parent is not None:
-        request = parent.request
-        options.setdefault("root_id", request.root_id or request.id)
-        options.setdefault("parent_id", request.id)
-        if app.conf.task_inherit_parent_priority:
-            priority = (request.delivery_info or {}).get("priority")
-            if priority is not None:
-                options.setdefault("priority", priority)
-    body = {"task": name, "args": args, "kwargs": kwargs, "options": options}
-    send_id = capture.add(FRAMEWORK, body, message_id=task_id, name=name)
-    result = (result_cls or app.AsyncResult)(send_id)
-    result.ignored = options.get("ignore_result")
-    if add_to_parent and parent is not None:
-        parent.add_trail(result)
+    kw.pop("connection", None)  # nothing goes to a broker now; the publisher has its own
+    send_id = capture.next_id(kw.get("task_id"))
+    kw["task_id"] = send_id
+    with app.producer_or_acquire(kw.pop("producer", None)) as producer:
+        keeper = CapturingProducer(producer)
+        try:
+            result = original(name, producer=keeper, **kw)
+        except EncodeError as exc:
+            raise SendRefused(
+                f"{capture.sender()} sent {name!r} with {unencodable(app, name, kw)} that its "
+                f"serializer cannot encode ({exc}); Celery could not have sent it either"
+            ) from exc
+    if keeper.message is None:  # a send_task that published nothing (nothing to record)
+        return result
+    capture.add(FRAMEWORK, {"task": name, MESSAGE: keeper.message}, message_id=send_id, name=name)
     return result
-
-
-def _tagged(value: T) -> T:
-    """``value`` as plain JSON in kombu's own encoding, so what Celery's JSON serializer sends
-    (datetime, date, time, UUID, Decimal) can be captured and comes back as itself when the
-    send is published. A value kombu cannot encode either is left as it is: the capture then
-    refuses it, naming the argument."""
-    try:
-        return json.loads(kombu_json.dumps(value))  # type: ignore[no-any-return,no-untyped-call]
-    except (TypeError, ValueError):
-        return value
-
-
-def _plain(value: Any) -> Any:
-    """A publish option as JSON can keep it: signatures as dicts, kombu queues and exchanges by
-    name, datetimes in ISO 8601 (which ``send_task`` accepts back)."""
-    if isinstance(value, Signature):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, (datetime.datetime, datetime.date)):
-        return value.isoformat()
-    name = getattr(value, "name", None)
-    if isinstance(name, str) and type(value).__module__.startswith("kombu"):
-        return name
-    return value
 
 
 def capture_links(task: Any, request: Any, retval: Any) -> tuple[Any, Any]:
@@ -210,6 +191,20 @@ def capture_chord_part(task: Any, request: Any, retval: Any) -> None:
     request.chord = None
 
 
+def payload_encoding(task: Any, request: Any) -> PayloadEncoder:
+    """How the payload of ``task``'s delivery ``request`` is encoded for its fingerprint
+    (:func:`~taskonce.celery_ext.message.delivered_encoder`): canonical JSON where its
+    arguments have one, else its body as delivered, else its serializer's encoding."""
+    serializer = str(task.serializer or task.app.conf.task_serializer)
+    delivered = getattr(request, BODY_DIGEST, None)
+    if not isinstance(delivered, str):
+        headers = request.headers
+        delivered = headers.get(BODY_DIGEST) if isinstance(headers, Mapping) else None
+    if isinstance(delivered, str) and delivered:
+        return delivered_encoder(serializer, delivered)
+    return payload_encoder(serializer)
+
+
 def replaced_depth(request: Any) -> int:
     """How deeply this message replaces a task of its id (Celery's ``replaced_task_nesting``;
     0 for a message that replaces nothing): :attr:`taskonce.Delivery.replaced`."""
@@ -240,30 +235,47 @@ def replaced(guard: Guard, ticket: Ticket, publish: Callable[[], T]) -> T:
 
 
 def publisher(app: Any) -> Callable[[Send], Receipt | None]:
-    """The guard's publisher of Celery sends: ``app.send_task`` of the stored body under the
-    send's id; the send's receipt when its task is guarded here (:func:`receipt_of`)."""
+    """The guard's publisher of Celery sends: the stored message published as the producer
+    made it, under the send's id (:func:`~taskonce.celery_ext.message.publish_stored`); the
+    send's receipt when its task is guarded here (:func:`receipt_of`). A send stored by an
+    earlier taskonce (JSON arguments and ``send_task`` options) is sent with ``send_task``."""
 
     def publish(send: Send) -> Receipt | None:
         body = send.body
-        options = dict(body.get("options") or {})
-        # kombu's type tags back into datetimes, UUIDs, Decimals (see _tagged)
-        args, kwargs = kombu_json.loads(  # type: ignore[no-untyped-call]
-            json.dumps([body.get("args") or [], body.get("kwargs") or {}])
-        )
-        with handoff.send_now(), stamped_queues() as queues:
-            app.send_task(
-                body["task"],
-                args=args,
-                kwargs=kwargs,
-                task_id=send.id,
-                add_to_parent=False,
-                **options,
-            )
-        if not send.within or not queues:
+        message = body.get(MESSAGE)
+        if message is None:
+            return _publish_legacy(app, send)
+        with handoff.send_now():
+            publish_stored(app, message)
+        headers = message.get("headers") or {}
+        queue = headers.get(QUEUE_HEADER)
+        if not send.within or not isinstance(queue, str) or not queue:
             return None
-        return receipt_of(app, body["task"], send.id, queues[-1], options)
+        return receipt_of(app, body["task"], send.id, queue, {"eta": headers.get("eta")})
 
     return publish
+
+
+def _publish_legacy(app: Any, send: Send) -> Receipt | None:
+    """Publish a send in the format taskonce wrote before it kept the encoded message:
+    ``{"task", "args", "kwargs", "options"}``, the arguments in kombu's JSON type tags."""
+    body = send.body
+    options = dict(body.get("options") or {})
+    args, kwargs = kombu_json.loads(  # type: ignore[no-untyped-call]
+        json.dumps([body.get("args") or [], body.get("kwargs") or {}])
+    )
+    with handoff.send_now(), stamped_queues() as queues:
+        app.send_task(
+            body["task"],
+            args=args,
+            kwargs=kwargs,
+            task_id=send.id,
+            add_to_parent=False,
+            **options,
+        )
+    if not send.within or not queues:
+        return None
+    return receipt_of(app, body["task"], send.id, queues[-1], options)
 
 
 def receipt_of(

@@ -1,4 +1,5 @@
-"""The worker-side message strategy of guarded tasks: refuse messages without a task id.
+"""The worker-side message strategy of guarded tasks: refuse messages without a task id, and
+note the digest of a body that has no canonical form (pickle) for the payload fingerprint.
 
 Celery's default strategy builds its ``Request`` from the ``id`` header; a message without one
 raises ``KeyError`` in the consumer, which Celery treats as a lost connection: it restores the
@@ -10,12 +11,15 @@ default strategy sees it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from celery import signals
 from celery.worker.strategy import default
+
+from taskonce.celery_ext.message import BODY_DIGEST
 
 logger = logging.getLogger("taskonce.celery")
 
@@ -29,7 +33,15 @@ def guarded(task: Any, app: Any, consumer: Any, **options: Any) -> Callable[...,
         message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kwargs: Any
     ) -> Any:
         headers = message.headers
-        if isinstance(headers, Mapping) and "task" in headers:  # task protocol 2
+        if isinstance(headers, dict) and "task" in headers:  # task protocol 2
+            # A body with no canonical form (pickle) is fingerprinted as delivered: its digest
+            # rides in the headers to the request (taskonce.celery_ext.message.BODY_DIGEST).
+            if message.content_type == "application/json":
+                headers.pop(BODY_DIGEST, None)
+            else:
+                raw = message.body
+                raw = raw.encode("utf-8") if isinstance(raw, str) else bytes(raw)
+                headers[BODY_DIGEST] = hashlib.sha256(raw).hexdigest()
             task_id = headers.get("id")
             if not isinstance(task_id, str) or not task_id.strip():
                 logger.error(

@@ -231,6 +231,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             deferred=_count(request, DEFERRED_HEADER),
             store_errors=_count(request, STORE_ERRORS_HEADER),
             replaced=celery_handoff.replaced_depth(request),
+            encode_payload=celery_handoff.payload_encoding(self, request),
         )
 
     def _body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

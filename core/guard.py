@@ -39,7 +39,7 @@ from taskonce.handoff import (
     start_capture,
 )
 from taskonce.heartbeat import Heartbeat
-from taskonce.keys import fingerprint, make_key, owner_token
+from taskonce.keys import make_key, owner_token, payload_fingerprint
 from taskonce.outage import START_TIMEOUT, StoreHealth, store_probe, wait_for_store
 from taskonce.outbox import (
     _PUBLISHING,
@@ -196,7 +196,7 @@ class Guard:
         # A replacement carries the id of the task it replaced, not its payload: no fingerprint,
         # so a late copy of the replaced message is a duplicate, not a mismatch.
         check = policy.check_payload and not delivery.replaced
-        fp = fingerprint(delivery.task, args, kwargs or {}) if check else None
+        fp = payload_fingerprint(delivery, args, kwargs or {}) if check else None
         ticket = Ticket(delivery, policy, Decision.RUN, key=key, fingerprint=fp)
         try:
             if policy.mode == "eager":

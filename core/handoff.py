@@ -38,11 +38,14 @@ _NAMESPACE = uuid.UUID("6f1c3f64-9f3e-5d0c-9a51-7a6b1d0e4c21")
 
 @dataclasses.dataclass(frozen=True)
 class Send:
-    """One message a guarded handler sent, captured instead of published. JSON only.
+    """One message a guarded handler sent, captured instead of published, as the stores keep
+    it: JSON text.
 
     :param id: the message id, fixed at capture (the caller's, else :func:`derive_id`).
     :param framework: ``"celery"``, ``"dramatiq"`` or ``"python"``: whose publisher sends it.
-    :param body: what that framework's publisher needs to publish it (JSON-safe).
+    :param body: what that framework's publisher needs to publish it (JSON-safe). Celery and
+        Dramatiq keep the message as the framework encoded it (its bytes in Base64, so any
+        serializer's output fits); ``"python"`` sends keep their JSON arguments.
     :param within: the sender's ``Policy.confirm_within``: seconds to wait for the receiver's
         receipt after the publish (0: none awaited).
     """
@@ -181,13 +184,7 @@ class Capture:
         """
         if not isinstance(body, dict):
             raise SendRefused(f"{self._sender()}: a send's body must be a dict, not {body!r:.80}")
-        if message_id is not None and (not isinstance(message_id, str) or not message_id):
-            raise SendRefused(
-                f"{self._sender()}: message id {message_id!r} must be a non-empty str"
-            )
-        send_id = (
-            message_id if message_id is not None else derive_id(self.parent_key, len(self.sends))
-        )
+        send_id = self.next_id(message_id)
         send = Send(send_id, framework, body, self.within)
         target = name or str(body.get("task") or body.get("actor_name") or "?")
         try:
@@ -210,6 +207,20 @@ class Capture:
         self.texts.append(text)
         self.size = size
         return send_id
+
+    def next_id(self, message_id: str | None = None) -> str:
+        """The id the next send gets: ``message_id`` if the caller chose one, else
+        ``derive_id(parent_key, ordinal)``. Raises :class:`~taskonce.errors.SendRefused` for
+        a ``message_id`` that is not a non-empty str."""
+        if message_id is None:
+            return derive_id(self.parent_key, len(self.sends))
+        if not isinstance(message_id, str) or not message_id:
+            raise SendRefused(f"{self.sender()}: message id {message_id!r} must be a non-empty str")
+        return message_id
+
+    def sender(self) -> str:
+        """Who is sending, for error messages: the handler's task, else its key."""
+        return self._sender()
 
     def _sender(self) -> str:
         return f"task {self.task!r}" if self.task else f"the handler of {self.parent_key!r}"

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import itertools
 import json
+import logging
 import os
+import pickle
 import re
 import secrets
-from collections.abc import Mapping, Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from taskonce.errors import InvalidInput
 from taskonce.stores.base import MAX_KEY_LENGTH
+
+if TYPE_CHECKING:
+    from taskonce.ticket import Delivery
+
+logger = logging.getLogger("taskonce")
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
 # Canonical JSON of a payload. One encoder for every call: json.dumps with any non-default
@@ -77,6 +86,24 @@ def make_key(message_id: object, queue: object, identity: str) -> str:
 FINGERPRINT_HEX = 24
 
 
+def canonical_json(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bytes:
+    """Task name, args and kwargs as canonical JSON (keys sorted, no spaces), UTF-8: what
+    :func:`fingerprint` hashes. Raises ``TypeError``/``ValueError`` for what JSON cannot
+    represent."""
+    return _CANONICAL.encode([task, list(args), dict(kwargs)]).encode("utf-8")
+
+
+#: An adapter's encoder of a delivery's payload for the fingerprint: ``(task, args, kwargs)``
+#: to bytes, as its framework encodes them (:attr:`taskonce.Delivery.encode_payload`). It
+#: raises when it cannot; the guard then checks nothing for that delivery.
+PayloadEncoder = Callable[[str, Sequence[Any], Mapping[str, Any]], bytes]
+
+
+def digest(encoded: bytes) -> str:
+    """The fingerprint of an encoded payload: the first 96 bits of its SHA-256, in hex."""
+    return hashlib.sha256(encoded).hexdigest()[:FINGERPRINT_HEX]
+
+
 def fingerprint(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
     """A stable digest of task name, args and kwargs, serialised as canonical JSON: the first
     96 bits of their SHA-256, as 24 hex digits.
@@ -85,16 +112,76 @@ def fingerprint(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> st
     different ones would have to collide in them), and every remembered message carries one:
     a full SHA-256 alone was twice the rest of a completed Redis record (docs/performance.md).
     Tuples and lists hash alike (brokers turn one into the other); dict key order does not
-    matter. Arguments JSON cannot represent raise :class:`InvalidInput`.
+    matter. Arguments JSON cannot represent raise :class:`InvalidInput`
+    (:func:`payload_fingerprint` skips the check for them instead).
     """
     try:
-        text = _CANONICAL.encode([task, list(args), dict(kwargs)])
+        text = canonical_json(task, args, kwargs)
     except (TypeError, ValueError) as exc:
         raise InvalidInput(
             f"arguments of task {task!r} cannot be fingerprinted as JSON ({exc}); pass "
             "JSON-serialisable arguments or set check_payload=False for this task"
         ) from exc
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:FINGERPRINT_HEX]
+    return digest(text)
+
+
+class _CanonicalPickler(pickle._Pickler):
+    """Pickle with the elements of sets and frozensets in a fixed order: their iteration order
+    follows string hashes, which differ from one process to the next, so the same set pickled
+    by two processes may give two byte strings."""
+
+    dispatch: ClassVar[dict[type, Callable[[Any, Any], None]]] = dict(pickle._Pickler.dispatch)
+
+    def _save_unordered(self, obj: Any) -> None:
+        self.save_reduce(type(obj), (sorted(obj, key=canonical_pickle),), obj=obj)  # type: ignore[attr-defined]
+
+    dispatch[set] = _save_unordered
+    dispatch[frozenset] = _save_unordered
+
+
+def canonical_pickle(value: Any) -> bytes:
+    """``value`` pickled (protocol 4) with sets in a fixed order: the same value gives the same
+    bytes in every process, for a payload fingerprint of what only pickle carries."""
+    out = io.BytesIO()
+    _CanonicalPickler(out, protocol=4).dump(value)
+    return out.getvalue()
+
+
+_WARNED: set[str] = set()
+_WARNED_LOCK = threading.Lock()
+
+
+def payload_fingerprint(
+    delivery: Delivery, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> str | None:
+    """The payload fingerprint of ``delivery`` with these arguments, or None when it cannot be
+    computed.
+
+    The delivery's :attr:`~taskonce.Delivery.encode_payload` is the framework's own encoding of
+    the payload (the adapter's: Celery's serializer, Dramatiq's encoder); without one,
+    canonical JSON (:func:`canonical_json`). A payload that cannot be encoded is never a
+    reason to refuse a message: the check is skipped for it, with one warning per task and
+    process naming why.
+    """
+    task, encode = delivery.task, delivery.encode_payload
+    try:
+        return digest(
+            canonical_json(task, args, kwargs) if encode is None else encode(task, args, kwargs)
+        )
+    except Exception as exc:
+        with _WARNED_LOCK:
+            first = task not in _WARNED
+            _WARNED.add(task)
+        if first:
+            logger.warning(
+                "the payload of task %r cannot be fingerprinted (%s: %s); its deliveries run "
+                "without the payload check (a reused id with other arguments is not detected). "
+                "Further deliveries of this task are not reported again.",
+                task,
+                type(exc).__name__,
+                exc,
+            )
+        return None
 
 
 class _Tokens:

@@ -9,6 +9,7 @@ session that does not use it. Every helper works without pytest too.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import json
@@ -163,10 +164,10 @@ class CapturedSend:
     :param args: its positional arguments.
     :param kwargs: its keyword arguments.
     :param message_id: the id it would be published under.
-    :param queue: the queue named at the send (Celery: the ``queue`` option, if given;
-        Dramatiq: the actor's queue).
-    :param options: Celery: the publish options (``countdown``, ``eta``, …); Dramatiq: the
-        message options, plus ``delay`` when one was given.
+    :param queue: the queue it goes to (Celery: as routed; Dramatiq: the actor's queue).
+    :param options: Celery: the message's headers (``eta``, ``expires``, ``retries``,
+        ``root_id``, …; a ``countdown`` is already an ``eta``); Dramatiq: the message options,
+        plus ``delay`` when one was given.
     :param body: the captured body, as the store would keep it.
     """
 
@@ -190,13 +191,23 @@ class CapturedSend:
         args: Any = body.get("args") or []
         kwargs: Any = body.get("kwargs") or {}
         options = dict(body.get("options") or {})
-        if send.framework == "celery":
+        if send.framework == "celery" and "message" in body:
+            from taskonce.celery_ext.message import decoded
+
+            args, kwargs, options = decoded(body["message"])
+            name, queue = body.get("task"), options.get("taskonce_queue")
+        elif send.framework == "celery":  # as taskonce 0.x stored it
             from kombu.utils import json as kombu_json
 
             # kombu's type tags back into datetimes, UUIDs, Decimals, as the publisher does
             args, kwargs = kombu_json.loads(json.dumps([args, kwargs]))  # type: ignore[no-untyped-call]
             name, queue = body.get("task"), options.get("queue")
         else:
+            if send.framework == "dramatiq" and "message" in body:
+                from dramatiq import Message
+
+                message = Message.decode(base64.b64decode(body["message"]))
+                args, kwargs, options = message.args, message.kwargs, dict(message.options)
             name = body.get("actor_name") or body.get("task")
             queue = body.get("queue_name")
             if body.get("delay") is not None:

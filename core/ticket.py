@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from taskonce.handoff import Capture
+    from taskonce.keys import PayloadEncoder
 
 
 class Decision(str, enum.Enum):
@@ -51,6 +52,8 @@ class Delivery:
     :param store_errors: how many times in a row this message was put back because the store
         could not be used (the adapters count it on the copy they publish again): the next
         back-off is longer (:class:`taskonce.outage.Backoff`).
+    :param encode_payload: the framework's encoding of ``(task, args, kwargs)`` that the payload
+        fingerprint hashes (Celery's serializer, Dramatiq's encoder); None: canonical JSON.
     """
 
     message_id: str
@@ -63,6 +66,7 @@ class Delivery:
     deferred: int = 0
     replaced: int = 0
     store_errors: int = 0
+    encode_payload: PayloadEncoder | None = None
 
 
 @dataclasses.dataclass

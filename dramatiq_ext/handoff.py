@@ -4,7 +4,8 @@ and enqueued after it (see docs/handoff.md).
 - :func:`install` wraps the broker's ``enqueue``, where ``send``, ``send_with_options``, the
   next pipeline step, ``on_success`` callbacks and a group's completion callbacks all end up. While
   :func:`taskonce.handoff.current` returns a capture (a guarded actor runs with
-  ``defer_sends``), the message is recorded as JSON instead of enqueued and the caller gets it
+  ``defer_sends``), the message — encoded by the broker's encoder, as the broker would encode
+  it — is recorded instead of enqueued and the caller gets it
   back under the id fixed now: the message's own id when the caller built the message (a
   pipeline's steps, ``broker.enqueue(message)``), else — ``actor.send`` makes a random one — an
   id derived from the parent's key, the same on a re-run.
@@ -25,18 +26,23 @@ thread), ``on_failure`` callbacks (the failure path ends the capture first) and 
 
 from __future__ import annotations
 
+import base64
 import contextvars
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import dramatiq
 from dramatiq import Message, Middleware
 from dramatiq.brokers.stub import StubBroker
+from dramatiq.encoder import JSONEncoder, PickleEncoder
 
 from taskonce import handoff
+from taskonce.errors import SendRefused
 from taskonce.handoff import Receipt, Send
+from taskonce.keys import canonical_json, canonical_pickle
 
 if TYPE_CHECKING:
     from dramatiq import Actor, Broker
@@ -48,6 +54,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("taskonce.dramatiq")
 
 FRAMEWORK = "dramatiq"
+
+#: A Dramatiq send's stored body keeps the message as the broker's encoder encoded it (Base64)
+#: under this name; a send without it was stored by an earlier taskonce as the message's fields.
+MESSAGE = "message"
 
 #: Set while ``actor.send_with_options`` builds and enqueues a message: its id is Dramatiq's
 #: random one, which the capture replaces with a derived one.
@@ -101,36 +111,85 @@ def _enqueue(
     capture = handoff.current()
     if capture is None:
         return original(message, delay=delay)
-    body = message.asdict()
-    body.pop("message_id", None)
-    body["args"] = list(body.get("args") or ())
-    body["delay"] = delay
     fresh = _FRESH_ID.get()
-    send_id = capture.add(
-        FRAMEWORK, body, message_id=None if fresh else message.message_id, name=message.actor_name
-    )
-    if send_id == message.message_id:
-        return message
-    return message.copy(message_id=send_id)
+    send_id = capture.next_id(None if fresh else message.message_id)
+    if send_id != message.message_id:
+        message = message.copy(message_id=send_id)
+    try:
+        encoded = message.encode()  # the broker's encoder, as the broker's enqueue would
+    except Exception as exc:
+        raise SendRefused(
+            f"{capture.sender()} sent {message.actor_name!r} with {_unencodable(message)} that "
+            f"Dramatiq's encoder ({type(dramatiq.get_encoder()).__name__}) cannot encode "
+            f"({type(exc).__name__}: {exc}); Dramatiq could not have sent it either"
+        ) from exc
+    body = {
+        "actor_name": message.actor_name,
+        "queue_name": message.queue_name,
+        "delay": delay,
+        MESSAGE: base64.b64encode(encoded).decode("ascii"),
+    }
+    capture.add(FRAMEWORK, body, message_id=send_id, name=message.actor_name)
+    return message
+
+
+def _unencodable(message: Message[Any]) -> str:
+    """Which argument of ``message`` the broker's encoder cannot encode, e.g.
+    ``"args[1] (set)"``; ``"an argument"`` when no single one is to blame."""
+    encoder = dramatiq.get_encoder()
+    named: list[tuple[str, Any]] = [(f"args[{i}]", v) for i, v in enumerate(message.args)]
+    named += [(f"kwargs[{k!r}]", v) for k, v in message.kwargs.items()]
+    for where, value in named:
+        try:
+            encoder.encode(value)
+        except Exception:
+            return f"{where} ({type(value).__name__})"
+    return "an argument"
+
+
+def encode_payload(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bytes:
+    """How a delivery's payload is encoded for its fingerprint: canonical JSON (the
+    fingerprints taskonce always took), else — arguments only a non-JSON encoder carries —
+    for ``PickleEncoder`` canonical pickle (sets in a fixed order: a redelivery decoded in
+    another process pickles alike), for another encoder as it encodes them."""
+    try:
+        return canonical_json(task, args, kwargs)
+    except (TypeError, ValueError):
+        encoder = dramatiq.get_encoder()
+        if isinstance(encoder, JSONEncoder):
+            raise
+    payload = [task, list(args), dict(kwargs)]
+    if isinstance(encoder, PickleEncoder):
+        return canonical_pickle(payload)
+    return encoder.encode({"actor_name": task, "args": list(args), "kwargs": dict(kwargs)})
 
 
 def publisher(
     enqueue: Callable[..., Message[Any]], receipt_of: ReceiptOf | None = None
 ) -> Callable[[Send], Receipt | None]:
-    """The guard's publisher of Dramatiq sends: the stored message enqueued under its id; its
-    receipt by ``receipt_of`` when the send awaits one."""
+    """The guard's publisher of Dramatiq sends: the stored message, decoded by the broker's
+    encoder, enqueued under its id (the broker encodes it again as it would have); its receipt
+    by ``receipt_of`` when the send awaits one. A send stored by an earlier taskonce (the
+    message's fields as JSON) is enqueued from those."""
 
     def publish(send: Send) -> Receipt | None:
         body = send.body
-        message: Message[Any] = Message(
-            queue_name=body["queue_name"],
-            actor_name=body["actor_name"],
-            args=tuple(body.get("args") or ()),
-            kwargs=body.get("kwargs") or {},
-            options=body.get("options") or {},
-            message_id=send.id,
-            message_timestamp=body["message_timestamp"],
-        )
+        encoded = body.get(MESSAGE)
+        message: Message[Any]
+        if encoded is not None:
+            message = Message.decode(base64.b64decode(encoded))
+            if message.message_id != send.id:
+                message = message.copy(message_id=send.id)
+        else:
+            message = Message(
+                queue_name=body["queue_name"],
+                actor_name=body["actor_name"],
+                args=tuple(body.get("args") or ()),
+                kwargs=body.get("kwargs") or {},
+                options=body.get("options") or {},
+                message_id=send.id,
+                message_timestamp=body["message_timestamp"],
+            )
         delay = body.get("delay")
         with handoff.send_now():
             enqueue(message, delay=delay)

@@ -46,6 +46,7 @@ from taskonce.dramatiq_ext.errors import (
 from taskonce.dramatiq_ext.failure import fail_as_raised
 from taskonce.dramatiq_ext.handoff import (
     Finisher,
+    encode_payload,
     install,
     place_finisher,
     sends_after_success,
@@ -319,6 +320,7 @@ class IdempotencyMiddleware(Middleware):
             override=policy,
             deferred=deferrals(msg.options),
             store_errors=store_errors(msg.options),
+            encode_payload=encode_payload,
         )
 
     def _canonical(self, queue_name: str) -> str:

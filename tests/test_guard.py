@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from typing import Any
@@ -430,16 +431,21 @@ def test_payload_mismatch_refuses_and_keeps_the_first_record(clock: Clock, sink:
     assert sink.names()[-1] == "payload_mismatch"
 
 
-def test_unserialisable_arguments_are_refused_before_anything_is_stored(
-    clock: Clock, sink: Sink
+def test_unfingerprintable_arguments_run_without_the_check_and_one_warning(
+    clock: Clock, sink: Sink, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Arguments the payload encoding cannot encode never refuse a message: it runs once,
+    unchecked, and the task gets one warning naming why (not one per delivery)."""
     guard = make_guard(clock, sink)
     handler = Counter()
-    with pytest.raises(InvalidInput, match="cannot be fingerprinted as JSON.*check_payload=False"):
-        guard.run("m1", "q", handler, object())
-    assert handler.calls == [] and guard.store.stats()["keys"] == 0
-    unchecked = make_guard(clock, sink, check_payload=False)
-    assert unchecked.run("m1", "q", handler, object()).status == "ran"
+    with caplog.at_level(logging.WARNING, logger="taskonce"):
+        assert guard.run("m1", "q", handler, object()).status == "ran"
+        assert guard.run("m1", "q", handler, object()).status == "skipped"
+        assert guard.run("m2", "q", handler, object()).status == "ran"
+    assert len(handler.calls) == 2
+    warned = [r.getMessage() for r in caplog.records if "cannot be fingerprinted" in r.getMessage()]
+    assert len(warned) == 1 and "object is not JSON serializable" in warned[0]
+    assert guard.store.get("q:m1").fingerprint is None  # type: ignore[union-attr]
 
 
 def test_unserialisable_result_is_an_error_but_the_key_stays_handled(

@@ -7,7 +7,8 @@ or table (SQL). ``TO_EVENTS``: JSONL events file. ``TO_PG``: the PostgreSQL URL 
 tables. ``TO_LEASE``: lease of the guarded queues (``default``: the Policy's). ``TO_VISIBILITY``: Redis visibility timeout.
 ``TO_STORE_RETRY_DELAY``: ``taskonce_store_retry_delay``. ``TO_START_TIMEOUT``:
 ``taskonce_start_timeout``. ``TO_RELAY_EVERY``: ``taskonce_relay_every``.
-``TO_CONFIRM_WITHIN``: the default policy's ``confirm_within`` (receipts). ``TO_PROMETHEUS=1``:
+``TO_CONFIRM_WITHIN``: the default policy's ``confirm_within`` (receipts). ``TO_SERIALIZER``:
+the app's task and result serializer (default kombu's JSON). ``TO_PROMETHEUS=1``:
 a :class:`taskonce.PrometheusEvents` sink too (set ``PROMETHEUS_MULTIPROC_DIR``).
 ``TO_READY``: file written when the worker is ready.
 
@@ -35,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import kombu.messaging
 from celery import Celery, chord, group, signals
 from sqlalchemy.exc import IntegrityError
 
@@ -89,6 +91,13 @@ app.conf.update(
     taskonce_relay_every=float(ENV.get("TO_RELAY_EVERY", "30")),
     taskonce_start_timeout=float(ENV.get("TO_START_TIMEOUT", "30")),
 )
+if ENV.get("TO_SERIALIZER"):  # e.g. "pickle": the app's task and result serializer
+    app.conf.update(
+        task_serializer=ENV["TO_SERIALIZER"],
+        result_serializer=ENV["TO_SERIALIZER"],
+        accept_content=[ENV["TO_SERIALIZER"], "json"],
+        result_accept_content=[ENV["TO_SERIALIZER"], "json"],
+    )
 
 queues: dict[str, Any] = {
     LAZY_Q: {"mode": "lazy"},
@@ -429,12 +438,21 @@ def arm_kill(at: int) -> None:
     _KILL[:] = [at, 0]
 
 
-@signals.before_task_publish.connect
-def _die_at_nth_publish(**_: Any) -> None:
+_publish = kombu.messaging.Producer.publish
+
+
+def _die_at_nth_publish(producer: Any, *args: Any, **kwargs: Any) -> Any:
+    """kombu's publish, counted: what reaches the broker (a guarded body's sends are made —
+    ``before_task_publish`` and all — when it sends them, and reach the broker after its
+    outcome is recorded)."""
     if _KILL:
         _KILL[1] += 1
         if _KILL[1] >= _KILL[0]:
             os.kill(os.getpid(), signal.SIGKILL)
+    return _publish(producer, *args, **kwargs)
+
+
+kombu.messaging.Producer.publish = _die_at_nth_publish  # type: ignore[method-assign]
 
 
 @signals.task_postrun.connect
@@ -609,3 +627,8 @@ def _ready(**_: Any) -> None:
     path = ENV.get("TO_READY")
     if path:
         Path(path).write_text(str(os.getpid()))
+
+
+# -- serializers and argument types (tests/celery/test_serializers.py) ------------------------
+
+import tests.celery.typed_tasks  # noqa: E402, F401  (registers t.typed* on this app)

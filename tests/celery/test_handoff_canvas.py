@@ -160,9 +160,7 @@ def send_replacer(stack: Stack, runs: Table, label: str, **kwargs: Any) -> str:
     return task_id
 
 
-def test_sends_before_replace_leave_once_the_replacement_is_out(
-    hstack: Stack, runs: Table
-) -> None:
+def test_sends_before_replace_leave_once_the_replacement_is_out(hstack: Stack, runs: Table) -> None:
     """The task sends two children, then replaces itself with a task (same id, same key) that
     sends two of its own: all four run once, under four ids — the replaced run's derived from
     the key, the replacement's from the key and its replace depth."""

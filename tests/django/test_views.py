@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator
 
 import pytest
 
+from taskonce.handoff import Send
+from taskonce.testing import CapturedSend
 from tests.django.conftest import (
     ProjectProcess,
     Run,
@@ -89,8 +91,10 @@ def pending(ids: Iterable[str] = (), order: int | None = None) -> list[str]:
     for key, text in Record.objects.filter(key__startswith="outbox:", status="sending").values_list(
         "key", "sends"
     ):
-        for send in map(json.loads, json.loads(text or "[]")):
-            if send["id"] in wanted or (order is not None and send["body"]["args"] == [order]):
+        for send in map(Send.from_json, json.loads(text or "[]")):
+            # the stored message decoded as the framework would (it keeps its encoded form)
+            args = CapturedSend.of(send).args
+            if send.id in wanted or (order is not None and args == (order,)):
                 found.append(str(key))
     return found
 

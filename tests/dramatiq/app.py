@@ -27,6 +27,7 @@ import dramatiq
 import psycopg
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.brokers.redis import RedisBroker
+from dramatiq.encoder import PickleEncoder
 from dramatiq.middleware import CurrentMessage, GroupCallbacks, Retries
 from dramatiq.middleware.asyncio import AsyncIO
 from dramatiq.rate_limits.backends import RedisBackend as RateLimiterRedisBackend
@@ -36,6 +37,7 @@ from sqlalchemy import text
 
 import taskonce
 from taskonce.dramatiq_ext import IdempotencyMiddleware
+from tests.typed_values import PARCEL, VALUES, wrong_types
 
 CONFIG_ENV = "TASKONCE_DQ_TEST_CONFIG"
 #: Queues of the receipts tests' children (``{namespace}_{name}``, actor ``r_{name}``), none
@@ -72,6 +74,8 @@ class Config:
     confirm_within: float | None = None  # the default policy's (s); None: the Policy's default
     #: a taskonce.PrometheusEvents sink too, in processes with PROMETHEUS_MULTIPROC_DIR set
     prometheus: bool = False
+    #: "pickle": Dramatiq's PickleEncoder (set process-wide by build(); the test restores it)
+    encoder: str = "json"
 
     def to_env(self) -> dict[str, str]:
         return {CONFIG_ENV: json.dumps(dataclasses.asdict(self))}
@@ -259,6 +263,8 @@ def accepted(kind: type, **options: Any) -> dict[str, Any]:
 
 def build(config: Config) -> App:
     """The broker with its middleware, the guard and every actor of the tests."""
+    if config.encoder == "pickle":
+        dramatiq.set_encoder(PickleEncoder())
     broker = make_broker(config)
     guard = make_guard(config)
     results: RedisBackend | None = None
@@ -561,6 +567,27 @@ def build(config: Config) -> App:
             idempotency={"mode": "lazy", "transactional": True},
             max_retries=0,
         )(opt_charge.fn)
+
+    # -- serializers and argument types (tests/dramatiq/test_serializers.py) ----------------
+
+    @actor(main, max_retries=0)
+    def typed(table: str, label: str, *values: Any) -> None:
+        """Takes the four values of tests.typed_values.VALUES and the PARCEL; counts its run
+        only when they arrived as they were sent (else it fails: no row)."""
+        wrong = wrong_types(values, (*VALUES, PARCEL))
+        if wrong:
+            raise TypeError(f"{label}: {wrong}")
+        runs.record(table)
+
+    @actor(main, max_retries=0)
+    def typed_sender(table: str, children: str) -> None:
+        """Sends ``typed`` with the values and the parcel from its body, and a pipeline of two."""
+        runs.record(table)
+        actors["typed"].send(children, "sent", *VALUES, PARCEL)
+        step = actors["typed"].message_with_options(
+            args=(children, "piped", *VALUES, PARCEL), pipe_ignore=True
+        )
+        dramatiq.pipeline([step, step.copy(message_id=str(uuid.uuid4()))], broker=broker).run()
 
     return App(config, broker, guard, actors, results)
 
