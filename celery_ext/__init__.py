@@ -23,8 +23,9 @@ docs/handoff.md. See docs/celery.md.
 from __future__ import annotations
 
 from taskonce.celery_ext.config import guard_for, relay_guard, setup
+from taskonce.celery_ext.request import lease_beyond
 from taskonce.celery_ext.routing import QUEUE_HEADER, delivery_queue
-from taskonce.celery_ext.task import IdempotentTask, lease_beyond
+from taskonce.celery_ext.task import IdempotentTask
 from taskonce.celery_ext.tasks import purge
 
 __all__ = [

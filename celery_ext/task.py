@@ -19,13 +19,14 @@ from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from celery import Task
-from celery.exceptions import Ignore, Reject
-from celery.signals import task_postrun
+from celery.exceptions import Ignore
 from celery.utils.time import get_exponential_backoff_interval
 
 from taskonce import handoff
 from taskonce.action import Action, Do, after, before
 from taskonce.celery_ext import handoff as celery_handoff
+from taskonce.celery_ext import request as request_info
+from taskonce.celery_ext import retry_hold
 from taskonce.celery_ext.config import (
     AppState,
     app_state,
@@ -35,6 +36,7 @@ from taskonce.celery_ext.config import (
     worker_starting,
 )
 from taskonce.celery_ext.defaults import check_eta
+from taskonce.celery_ext.request import DEFERRED_HEADER, STORE_ERRORS_HEADER
 from taskonce.celery_ext.routing import QUEUE_HEADER, delivery_queue, record_refusal
 from taskonce.current import handling
 from taskonce.errors import ConfigError, InProgressElsewhere
@@ -43,23 +45,6 @@ from taskonce.handoff import send_now
 from taskonce.policy import Policy
 
 logger = logging.getLogger("taskonce.celery")
-
-#: The header counting the guard's deferrals of a message (a copy published again because
-#: another worker held its key): the audit counts a re-deferred copy as one duplicate.
-DEFERRED_HEADER = "taskonce_deferred"
-#: The header counting a message's back-offs in a row after a store error: each is longer
-#: (:class:`taskonce.outage.Backoff`, the rule Dramatiq's middleware follows too).
-STORE_ERRORS_HEADER = "taskonce_store_errors"
-
-
-def lease_beyond(time_limit: float) -> float:
-    """The default lease of a task with a hard ``time_limit``: longer than the limit.
-
-    A hard time limit (like a ``WorkerLostError``) kills the child without running any task
-    hook, so the claim can only end by its lease: it must not end while the body may still be
-    running. ``time_limit + max(5 s, 10 %)``.
-    """
-    return time_limit + max(5.0, 0.1 * time_limit)
 
 
 @dataclasses.dataclass
@@ -96,47 +81,6 @@ class _Active:
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
     "taskonce_celery_active", default=None
 )
-
-
-#: The task id whose retry publish is being held back (inside ``IdempotentTask.retry``).
-_HOLDING: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "taskonce_celery_holding", default=None
-)
-#: Held retry publishes by task id: (signature, apply_async args, apply_async options).
-_HELD: dict[str, tuple[Any, tuple[Any, ...], dict[str, Any]]] = {}
-
-
-def publish_held_retry(task_id: str) -> None:
-    """Publish the retry message :meth:`IdempotentTask.retry` held back for ``task_id``.
-
-    A failed publish raises ``Reject(requeue=True)``: the message goes back to the broker
-    instead of being acknowledged with its retry lost.
-    """
-    held = _HELD.pop(task_id, None)
-    if held is None:
-        return
-    signature, publish_args, publish_options = held
-    try:
-        with send_now():  # the same message again, never a deferred send
-            signature.apply_async(*publish_args, **publish_options)
-    except Exception as exc:
-        logger.error(
-            "taskonce: the retry of %s could not be published (%r); rejecting the message "
-            "back to the broker",
-            task_id,
-            exc,
-        )
-        raise _reject(exc, requeue=True) from exc
-
-
-def _publish_leftover_retry(sender: Any = None, task_id: Any = None, **_: Any) -> None:
-    # task_postrun runs after the state is stored, whatever on_retry did.
-    if isinstance(task_id, str) and task_id in _HELD:
-        logger.warning("taskonce: publishing the retry of %s from task_postrun", task_id)
-        publish_held_retry(task_id)
-
-
-task_postrun.connect(_publish_leftover_retry, weak=False, dispatch_uid="taskonce.celery_ext.retry")
 
 
 class IdempotentTask(Task):  # type: ignore[misc]
@@ -226,10 +170,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             task=self.name,
             framework="celery",
             attempt=int(request.retries or 0),
-            redelivered=_redelivered(request),
+            redelivered=request_info.redelivered(request),
             override=self._policy(call.state, call.guard, call.queue, request),
-            deferred=_count(request, DEFERRED_HEADER),
-            store_errors=_count(request, STORE_ERRORS_HEADER),
+            deferred=request_info.count(request, DEFERRED_HEADER),
+            store_errors=request_info.count(request, STORE_ERRORS_HEADER),
             replaced=celery_handoff.replaced_depth(request),
             encode_payload=celery_handoff.payload_encoding(self, request),
         )
@@ -256,7 +200,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             try:
                 with handling(ticket.key):  # taskonce.current_key() in the body
                     result = self._body(call.args, call.kwargs)
-                if ticket.capture is not None and not call.eager and request.id not in _HELD:
+                if (
+                    ticket.capture is not None
+                    and not call.eager
+                    and request.id not in retry_hold.HELD
+                ):
                     # The tracer publishes these after we return, i.e. after the record: they
                     # are part of this outcome's sends instead.
                     call.links = celery_handoff.capture_links(self, request, result)
@@ -264,11 +212,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             except BaseException as exc:
                 active.release(exc)
                 raise
-            if request.id in _HELD:
+            if request.id in retry_hold.HELD:
                 # The body caught its own Retry and returned: publish the retry as Celery
                 # would have, after releasing the claim; record nothing for this attempt.
                 active.release()
-                publish_held_retry(request.id)
+                retry_hold.publish_held_retry(request.id)
             elif not active.settled:
                 active.settled = True  # after() settles the ticket, whatever it answers
                 done = after(call.guard, ticket, result, call.state.backoff)
@@ -326,7 +274,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 delay,
                 action.error,
             )
-        self._deliver_later(call, delay, store_errors=_count(call.request, STORE_ERRORS_HEADER) + 1)
+        self._deliver_later(
+            call,
+            delay,
+            store_errors=request_info.count(call.request, STORE_ERRORS_HEADER) + 1,
+        )
 
     def _refuse(self, action: Action, call: _Call) -> NoReturn:
         exc = action.error
@@ -338,7 +290,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if call.eager:
             raise exc
         record_refusal(self, call.request.id, exc)  # a quarantined key's: FAILURE, Quarantined
-        raise _reject(exc, requeue=False) from exc
+        raise request_info.reject(exc, requeue=False) from exc
 
     def _lost(self, action: Action, call: _Call) -> NoReturn:
         # Another delivery took the claim over: that one is the run of record, this one is the
@@ -371,12 +323,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             request.id,
             exc,
         )
-        raise _reject(exc, requeue=False) from exc
+        raise request_info.reject(exc, requeue=False) from exc
 
     def _policy(self, state: AppState, guard: Guard, queue: str, request: Any) -> Policy:
         """The policy for a delivery on ``queue``: the queue's, this task's option over it, and
         a lease longer than the task's hard time limit unless the option names one."""
-        limit = _hard_time_limit(self, request)
+        limit = request_info.hard_time_limit(self, request)
         cache_key = (self.name, queue, limit)
         policy = state.policies.get(cache_key)
         if policy is not None:
@@ -401,7 +353,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     limit,
                 )
             else:
-                policy = policy.replace(lease=lease_beyond(limit))
+                policy = policy.replace(lease=request_info.lease_beyond(limit))
         state.policies[cache_key] = policy
         return policy
 
@@ -436,7 +388,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 request.id,
                 exc,
             )
-            raise _reject(exc, requeue=True) from exc
+            raise request_info.reject(exc, requeue=True) from exc
         raise Ignore()
 
     # -- Celery moments that publish the same id -------------------------------------------
@@ -470,7 +422,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         hold = ours and throw and not request.is_eager and not request.called_directly
         if ours and not hold:
             self._release_active()
-        token = _HOLDING.set(request.id) if hold else None
+        token = retry_hold.HOLDING.set(request.id) if hold else None
         try:
             return super().retry(
                 args=args,
@@ -484,7 +436,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
         finally:
             if token is not None:
-                _HOLDING.reset(token)
+                retry_hold.HOLDING.reset(token)
 
     def signature_from_request(
         self, request: Any = None, args: Any = None, kwargs: Any = None, **options: Any
@@ -493,11 +445,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         until :meth:`on_retry`."""
         signature = super().signature_from_request(request, args, kwargs, **options)
         task_id = (self.request if request is None else request).id
-        if _HOLDING.get() == task_id and task_id is not None:
+        if retry_hold.HOLDING.get() == task_id and task_id is not None:
 
             def hold(*publish_args: Any, **publish_options: Any) -> None:
                 del signature.apply_async  # the instance attribute: unpicklable, one use
-                _HELD[task_id] = (signature, publish_args, publish_options)
+                retry_hold.HELD[task_id] = (signature, publish_args, publish_options)
 
             signature.apply_async = hold
         return signature
@@ -509,7 +461,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         ``RETRY`` state). A subclass that overrides it should call ``super().on_retry``; if
         it does not, the ``task_postrun`` receiver publishes the retry instead."""
         super().on_retry(exc, task_id, args, kwargs, einfo)
-        publish_held_retry(task_id)
+        retry_hold.publish_held_retry(task_id)
 
     def replace(self, sig: Any) -> Any:
         """Celery's :meth:`~celery.Task.replace`, handing this delivery over: its claim released,
@@ -621,39 +573,3 @@ def _autoretry(task: IdempotentTask, exc: BaseException) -> None:
             full_jitter=getattr(task, "retry_jitter", True),
         )
     raise task.retry(exc=exc, **options)
-
-
-def _reject(reason: BaseException, requeue: bool) -> Reject:
-    """A ``Reject`` whose reason crosses process boundaries: the prefork pool pickles it back to
-    the worker's main process, and taskonce's errors with several constructor arguments
-    (``PayloadMismatch``, ``LeaseLost``, ``InProgressElsewhere``) do not unpickle — the main
-    process would stop with an unrecoverable error. So the reason is carried as text."""
-    return Reject(f"{type(reason).__name__}: {reason}", requeue=requeue)
-
-
-def _hard_time_limit(task: Any, request: Any) -> float | None:
-    limits = request.timelimit
-    hard = limits[0] if isinstance(limits, (list, tuple)) and limits else None
-    if hard is None:
-        hard = task.time_limit
-    if isinstance(hard, bool) or not isinstance(hard, (int, float)) or hard <= 0:
-        return None
-    return float(hard)
-
-
-def _count(request: Any, header: str) -> int:
-    """A counter the guard's copies carry (:data:`DEFERRED_HEADER`, :data:`STORE_ERRORS_HEADER`)
-    on this copy; 0 when absent: Celery puts a message's own headers on the request, or in
-    ``request.headers``."""
-    value = getattr(request, header, None)
-    if value is None and isinstance(request.headers, Mapping):
-        value = request.headers.get(header)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
-def _redelivered(request: Any) -> bool | None:
-    info = request.delivery_info
-    if not isinstance(info, Mapping) or "redelivered" not in info:
-        return None
-    value = info.get("redelivered")
-    return None if value is None else bool(value)
