@@ -34,5 +34,5 @@ def test_the_install_filters_setuptools_editable_note() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert (
         'PYTHONWARNINGS="ignore:Editable installation:UserWarning" $(PY) -m pip install '
-        "--quiet -e '.[all,dev]'"
+        "--quiet -e '.[all,sqs,dev]'"
     ) in makefile
