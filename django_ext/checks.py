@@ -12,8 +12,9 @@
   (``redis://``, ``memory://``);
 - ``taskonce.E006``: the store's server answers that the URL's database does not exist;
 - ``taskonce.E007``: ``STORE`` is ``django://ALIAS`` and taskonce's migrations have not all run
-  on that database (not reported while ``migrate`` itself runs the checks, nor when the
-  database does not answer);
+  on that database (not reported while ``migrate``, ``makemigrations``, ``showmigrations``,
+  ``sqlmigrate`` or ``squashmigrations`` runs the checks, nor when the database does not
+  answer);
 - ``taskonce.W001``: a policy is ``transactional`` and the store is an SQL URL: only writes
   through ``taskonce.current_session()`` share the mark's transaction, not the ORM's;
 - ``taskonce.W002``: ``DRAMATIQ_BROKER["MIDDLEWARE"]`` lacks
@@ -391,6 +392,13 @@ def check_store_answers(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
 
 # -- E007: the migrations ran ------------------------------------------------------------------
 
+#: Django's commands that make, inspect or apply migrations: E007 does not stop them (a new
+#: project runs ``makemigrations`` before its first ``migrate``). ``check``, ``runserver`` and
+#: the workers still report it.
+MIGRATION_COMMANDS = frozenset(
+    {"makemigrations", "migrate", "showmigrations", "sqlmigrate", "squashmigrations"}
+)
+
 
 def check_migrations(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
@@ -399,7 +407,8 @@ def check_migrations(
 
     ``migrate`` runs the checks with its database (``databases``) before it applies them: not
     reported there, nor by an in-process ``call_command("check", databases=…)``; ``manage.py
-    check --database …`` reports it. A database that does not answer (not created yet, a build
+    check --database …`` reports it. Nor while one of :data:`MIGRATION_COMMANDS` runs (named
+    by ``sys.argv``, as ``manage.py`` and ``django-admin`` have it). A database that does not answer (not created yet, a build
     without one) is not reported: ``migrate`` says that itself."""
     from django.db import DatabaseError
 
@@ -409,6 +418,8 @@ def check_migrations(
 
     if databases is not None and sys.argv[1:2] != ["check"]:
         return []
+    if sys.argv[1:2] and sys.argv[1] in MIGRATION_COMMANDS:
+        return []  # they make, show or apply the very migrations E007 asks for
     try:
         url = conf.store_url()
     except ConfigError:
@@ -441,6 +452,7 @@ register(check_migrations, TAG)
 
 __all__ = [
     "MIDDLEWARE_PATHS",
+    "MIGRATION_COMMANDS",
     "PROBE_TIMEOUT",
     "TAG",
     "check_migrations",

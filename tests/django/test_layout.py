@@ -121,6 +121,16 @@ def test_unapplied_migrations_are_a_check_error_that_migrate_mends(tmp_path: Pat
         "?: (taskonce.E007) taskonce's migration(s) taskonce.0001_initial, taskonce.0002_receipts"
     ) in check.stderr
     assert "HINT: python manage.py migrate --database default" in check.stderr
+    # a new project makes its own migrations before the first migrate: not stopped by E007
+    make = run(project, "manage.py", "makemigrations", "shop")
+    assert make.returncode == 0, make.stderr
+    assert (project / "shop" / "migrations" / "0001_initial.py").is_file()
+    for argv in (("showmigrations", "shop"), ("sqlmigrate", "shop", "0001")):
+        shown = run(project, "manage.py", *argv)
+        assert shown.returncode == 0, shown.stderr
+        assert "taskonce.E007" not in shown.stderr
+    check = run(project, "manage.py", "check")  # check still says it
+    assert check.returncode == 1 and "(taskonce.E007)" in check.stderr
     migrate = run(project, "manage.py", "migrate", "--noinput")  # not stopped by E007
     assert migrate.returncode == 0, migrate.stderr
     check = run(project, "manage.py", "check")
