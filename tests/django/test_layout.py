@@ -151,6 +151,53 @@ def test_the_docs_django_test_example_passes_under_pytest_django(tmp_path: Path)
     assert "2 passed" in done.stdout
 
 
+ACTORS = """\
+import dramatiq
+
+from .models import Order, Payment
+
+
+@dramatiq.actor(queue_name="payments")
+def charge(order_id):
+    Order.objects.filter(pk=order_id).update(paid=True)
+    Payment.objects.create(order_id=order_id, cents=500)
+"""
+
+#: What the project's settings add for django_dramatiq (docs/django.md, Five lines for Dramatiq).
+WITH_DJANGO_DRAMATIQ = """
+INSTALLED_APPS.insert(0, "django_dramatiq")
+DRAMATIQ_BROKER = {
+    "BROKER": "dramatiq.brokers.rabbitmq.RabbitmqBroker",
+    "OPTIONS": {"url": "amqp://127.0.0.1:1"},  # the tests must not need it
+    "MIDDLEWARE": ["taskonce.django_ext.IdempotencyMiddleware"],
+}
+"""
+
+
+def test_the_docs_dramatiq_test_example_passes_with_the_stub_broker(tmp_path: Path) -> None:
+    """docs/django.md's test settings and actor test, as written, in a django_dramatiq project;
+    the control: the same test under a plain ``django_db`` mark fails (the actor's thread does
+    not see the test's uncommitted order), as the page says."""
+    settings = docs_block("django.md", "# proj/settings_test.py (pytest --ds proj.settings_test)")
+    tests = docs_block("django.md", "# shop/test_actors.py")
+    project = write_project(tmp_path)
+    with (project / "proj" / "settings.py").open("a") as file:
+        file.write(WITH_DJANGO_DRAMATIQ)
+    (project / "proj" / "settings_test.py").write_text(settings)
+    (project / "shop" / "actors.py").write_text(ACTORS)
+    (project / "shop" / "test_actors.py").write_text(tests)
+    argv = ("-m", "pytest", "-p", "no:cacheprovider", "--ds", "proj.settings_test", "-q")
+    done = run(project, *argv, "shop/test_actors.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
+    plain = tests.replace("@pytest.mark.django_db(transaction=True)", "@pytest.mark.django_db")
+    assert plain != tests
+    (project / "shop" / "test_plain.py").write_text(plain)
+    done = run(project, *argv, "shop/test_plain.py")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "1 failed" in done.stdout
+
+
 DRAMATIQ_SETTINGS = """\
 SECRET_KEY = "layout-tests-only"
 DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": "db.sqlite3"}}
