@@ -3,7 +3,8 @@
 - ``taskonce.E001``: ``settings.TASKONCE`` is not valid: not a dict, an unknown key (with the
   close one), a bad ``EVENTS``, ``SEND_LIMIT`` or ``DISPATCH_LEASE``;
 - ``taskonce.E002``: a policy of ``DEFAULT`` or ``QUEUES`` is not valid (unknown field, bad
-  value), in the words the guard would refuse it with;
+  value), in the words the guard would refuse it with: one error per problem, every bad field
+  of every policy dict (the guard stops at the first);
 - ``taskonce.E003``: ``STORE`` is not a store URL taskonce can open (unknown scheme, bad option,
   missing extra);
 - ``taskonce.E004``: ``STORE`` is ``django://ALIAS`` and ``ALIAS`` is not in ``DATABASES`` (or
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -43,7 +45,7 @@ from urllib.parse import urlsplit
 from django.core.checks import CheckMessage, Error, Warning, register
 
 from taskonce.errors import ConfigError
-from taskonce.policy import Policies, Policy
+from taskonce.policy import FIELDS, Policies, Policy
 from taskonce.stores import open_store, redact
 from taskonce.stores.sql.connecting import missing_database
 
@@ -114,16 +116,59 @@ def _guard_options(values: Mapping[str, Any]) -> list[CheckMessage]:
     ]
 
 
-def _policies(values: Mapping[str, Any]) -> tuple[Policies | None, list[CheckMessage]]:
-    """The policies of ``DEFAULT`` and ``QUEUES`` as the guard builds them, or E002 with the
-    guard's own ConfigError text."""
-    from taskonce.policy import FIELDS
+#: How Policy's own errors name the field they are about: ``Policy.mode='eagre' is not …``.
+_BAD_FIELD = re.compile(r"Policy\.(\w+)=")
 
+
+def _policy_problems(base: Policy, override: Any) -> tuple[Policy | None, list[str]]:
+    """``override`` applied over ``base`` as the guard applies it, and every problem of it in
+    the guard's words: the guard stops at the first, a check names them all. After each
+    problem the fields it names (unknown ones, or the bad one) are left out and the rest is
+    tried again, so one bad field hides no other. The policy is None when there is a problem."""
+    if not isinstance(override, Mapping):
+        try:
+            return base.overridden_by(override), []
+        except ConfigError as exc:
+            return None, [str(exc)]
+    fields = dict(override)
+    problems: list[str] = []
+    while True:
+        try:
+            policy = base.replace(**fields)
+        except ConfigError as exc:
+            problems.append(str(exc))
+            named = _BAD_FIELD.match(str(exc))
+            bad = (set(fields) - FIELDS) or ({named[1]} & set(fields) if named else set())
+            if not bad:
+                return None, problems  # about several fields at once: none to leave out
+            for name in bad:
+                del fields[name]
+            continue
+        return (None if problems else policy), problems
+
+
+def _policies(values: Mapping[str, Any]) -> tuple[Policies | None, list[CheckMessage]]:
+    """The policies of ``DEFAULT`` and ``QUEUES`` as the guard builds them, or one E002 per
+    problem (every bad field of every policy dict) with the guard's own ConfigError text."""
     hint = f"Policy fields: {', '.join(sorted(FIELDS))}; {_DOCS}"
-    try:
-        Policy().overridden_by(values["DEFAULT"])
-    except ConfigError as exc:
-        return None, [Error(f'settings.TASKONCE["DEFAULT"]: {exc}', hint=hint, id="taskonce.E002")]
+    default, problems = _policy_problems(Policy(), values["DEFAULT"])
+    errors = [
+        Error(f'settings.TASKONCE["DEFAULT"]: {text}', hint=hint, id="taskonce.E002")
+        for text in problems
+    ]
+    for queue, override in values["QUEUES"].items():
+        # over the default as far as it is valid, so a queue's own mistakes are found too
+        _, problems = _policy_problems(default or Policy(), override)
+        errors += [
+            Error(
+                f'settings.TASKONCE["QUEUES"]: policy of queue {queue!r}: {text}',
+                hint=hint,
+                id="taskonce.E002",
+            )
+            for text in problems
+        ]
+    if errors:
+        return None, errors
     try:
         policies = Policies(values["DEFAULT"], values["QUEUES"], lambda policy: None)
     except ConfigError as exc:
