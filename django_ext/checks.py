@@ -453,8 +453,9 @@ def check_migrations(
     ``migrate`` runs the checks with its database (``databases``) before it applies them: not
     reported there, nor by an in-process ``call_command("check", databases=…)``; ``manage.py
     check --database …`` reports it. Nor while one of :data:`MIGRATION_COMMANDS` runs (named
-    by ``sys.argv``, as ``manage.py`` and ``django-admin`` have it). A database that does not answer (not created yet, a build
-    without one) is not reported: ``migrate`` says that itself."""
+    by ``sys.argv``, as ``manage.py`` and ``django-admin`` have it). A database that does not
+    answer (not created yet, a build without one) is not reported: ``migrate`` says that
+    itself."""
     from django.db import DatabaseError
 
     from taskonce.django_ext import conf

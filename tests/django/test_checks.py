@@ -123,13 +123,13 @@ def test_e002_names_every_bad_field_of_every_policy() -> None:
     }
     found = [m.msg for m in run(TASKONCE=taskonce) if m.id == "taskonce.E002"]
     assert found[0].startswith(
-        'settings.TASKONCE["DEFAULT"]: unknown Policy field(s) mdoe (did you mean \'mode\'?); '
+        "settings.TASKONCE[\"DEFAULT\"]: unknown Policy field(s) mdoe (did you mean 'mode'?); "
         "known: check_first, "
     )
     assert found[1:] == [
         "settings.TASKONCE[\"DEFAULT\"]: Policy.mode='eagre' is not valid; choose one of eager, "
         "lazy",
-        "settings.TASKONCE[\"DEFAULT\"]: Policy.lease=0 is not valid; it must be a positive "
+        'settings.TASKONCE["DEFAULT"]: Policy.lease=0 is not valid; it must be a positive '
         "number of seconds",
         "settings.TASKONCE[\"QUEUES\"]: policy of queue 'emails': Policy.transactional='yes' is "
         "not valid; it must be True or False",
