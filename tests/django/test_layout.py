@@ -58,6 +58,50 @@ def test_a_taskonce_typo_is_a_check_error_without_a_traceback(tmp_path: Path) ->
     assert "(taskonce.E001)" in migrate.stderr and "Traceback" not in migrate.stderr
 
 
+def test_the_documented_layout_starts_a_worker_without_django_settings_module(
+    tmp_path: Path,
+) -> None:
+    """docs/django.md's layout as written: ``celery -A proj worker`` in a shell where
+    DJANGO_SETTINGS_MODULE is not set starts (proj/celery.py sets it). The control: the same
+    layout without that line stops at once, Django's settings not configured."""
+    import os
+    import signal
+    import subprocess
+
+    from tests.django.layout_project import CELERY, env
+    from tests.helpers import wait_for
+
+    project = write_project(tmp_path)
+    assert "DJANGO_SETTINGS_MODULE" not in env()
+    assert run(project, "manage.py", "migrate", "--noinput").returncode == 0
+    log_path = tmp_path / "worker.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [celery(), "-A", "proj", "worker", "-P", "solo", "--without-mingle", "-l", "INFO"],
+            cwd=project, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+
+        def ready() -> bool:
+            assert process.poll() is None, log_path.read_text(errors="replace")
+            return " ready." in log_path.read_text(errors="replace")
+
+        wait_for(ready, timeout=60, interval=0.1, what="the layout's worker to be ready")
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+    setdefault = 'os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")\n'
+    assert setdefault in CELERY
+    (project / "proj" / "celery.py").write_text(CELERY.replace(setdefault, ""))
+    status, output, _ = worker(project)
+    assert status != 0
+    assert "settings are not configured" in output
+
+
 def test_a_bad_policy_value_is_e002(tmp_path: Path) -> None:
     check = run(write_project(tmp_path, BAD_MODE), "manage.py", "check")
     assert check.returncode == 1
