@@ -337,6 +337,13 @@ def _cmd_relay(args: argparse.Namespace, out: TextIO) -> int:
     guard = _relay_guard(args)
     stop = threading.Event()
     total = 0
+    if not args.once:
+        # it prints nothing until there is something to publish: say at once that it runs
+        sys.stderr.write(
+            f"{getattr(args, 'prog', 'taskonce')} relay: running every {args.every:g} s on "
+            f"{guard.store.describe()}; Ctrl-C stops it; --once for one sweep\n"
+        )
+        sys.stderr.flush()
     try:
         while True:
             dispatched = guard.relay(older_than=args.older_than, batch=args.batch)
@@ -572,6 +579,7 @@ def main(
     else:
         args = build_parser(prog, commands, store).parse_args(argv)
         args.project_guard = relay_guard
+        args.prog = prog
     if not logging.getLogger("taskonce").handlers:  # else its host (Django's LOGGING) did
         logging.basicConfig(
             level=logging.DEBUG if args.verbose else logging.WARNING,

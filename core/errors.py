@@ -88,7 +88,8 @@ class Quarantined(TaskonceError):
     """The handler's process died ``count`` times running this key (its claim was taken over
     from a dead, silent or expired owner each time), more than ``Policy.crash_limit`` allows:
     the key is quarantined and the message dead-lettered instead of run again. Later copies
-    are acknowledged and not run until ``taskonce release KEY`` re-arms the key."""
+    are acknowledged and not run until ``taskonce release KEY`` (in a Django project
+    ``manage.py taskonce release KEY``) re-arms the key; the message names both."""
 
     def __init__(self, key: str, count: int) -> None:
         # args are (key, count), so a result backend that stores an exception by its arguments
@@ -100,7 +101,8 @@ class Quarantined(TaskonceError):
     def __str__(self) -> str:
         return (
             f"key {self.key!r} quarantined: the process running it died {self.count} times "
-            f"(crash_limit); not run again until: taskonce release {self.key!r}"
+            f"(crash_limit); not run again until released: taskonce release {self.key!r} "
+            f"--store URL (in a Django project: python manage.py taskonce release {self.key!r})"
         )
 
 

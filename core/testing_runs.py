@@ -330,7 +330,10 @@ def _dramatiq_delivery(
     if not hasattr(broker, "dead_letters_by_queue"):
         raise ConfigError(
             f"deliver_twice needs Dramatiq's StubBroker; actor {actor.actor_name!r} is on "
-            f"{type(broker).__name__} (taskonce.testing.stub_broker(guard) makes one)"
+            f"{type(broker).__name__} (taskonce.testing.stub_broker(guard) makes one; with "
+            "django_dramatiq, test settings whose DRAMATIQ_BROKER is "
+            "dramatiq.brokers.stub.StubBroker with taskonce's middleware: see docs/django.md, "
+            "Testing)"
         )
     message = actor.message_with_options(args=tuple(args), kwargs=kwargs, max_retries=0)
     message = message.copy(message_id=message_id)

@@ -3,7 +3,8 @@
 - ``taskonce.E001``: ``settings.TASKONCE`` is not valid: not a dict, an unknown key (with the
   close one), a bad ``EVENTS``, ``SEND_LIMIT`` or ``DISPATCH_LEASE``;
 - ``taskonce.E002``: a policy of ``DEFAULT`` or ``QUEUES`` is not valid (unknown field, bad
-  value), in the words the guard would refuse it with;
+  value), in the words the guard would refuse it with: one error per problem, every bad field
+  of every policy dict (the guard stops at the first);
 - ``taskonce.E003``: ``STORE`` is not a store URL taskonce can open (unknown scheme, bad option,
   missing extra);
 - ``taskonce.E004``: ``STORE`` is ``django://ALIAS`` and ``ALIAS`` is not in ``DATABASES`` (or
@@ -12,8 +13,9 @@
   (``redis://``, ``memory://``);
 - ``taskonce.E006``: the store's server answers that the URL's database does not exist;
 - ``taskonce.E007``: ``STORE`` is ``django://ALIAS`` and taskonce's migrations have not all run
-  on that database (not reported while ``migrate`` itself runs the checks, nor when the
-  database does not answer);
+  on that database (not reported while ``migrate``, ``makemigrations``, ``showmigrations``,
+  ``sqlmigrate`` or ``squashmigrations`` runs the checks, nor when the database does not
+  answer);
 - ``taskonce.W001``: a policy is ``transactional`` and the store is an SQL URL: only writes
   through ``taskonce.current_session()`` share the mark's transaction, not the ORM's;
 - ``taskonce.W002``: ``DRAMATIQ_BROKER["MIDDLEWARE"]`` lacks
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -42,7 +45,7 @@ from urllib.parse import urlsplit
 from django.core.checks import CheckMessage, Error, Warning, register
 
 from taskonce.errors import ConfigError
-from taskonce.policy import Policies, Policy
+from taskonce.policy import FIELDS, Policies, Policy
 from taskonce.stores import open_store, redact
 from taskonce.stores.sql.connecting import missing_database
 
@@ -113,16 +116,59 @@ def _guard_options(values: Mapping[str, Any]) -> list[CheckMessage]:
     ]
 
 
-def _policies(values: Mapping[str, Any]) -> tuple[Policies | None, list[CheckMessage]]:
-    """The policies of ``DEFAULT`` and ``QUEUES`` as the guard builds them, or E002 with the
-    guard's own ConfigError text."""
-    from taskonce.policy import FIELDS
+#: How Policy's own errors name the field they are about: ``Policy.mode='eagre' is not …``.
+_BAD_FIELD = re.compile(r"Policy\.(\w+)=")
 
+
+def _policy_problems(base: Policy, override: Any) -> tuple[Policy | None, list[str]]:
+    """``override`` applied over ``base`` as the guard applies it, and every problem of it in
+    the guard's words: the guard stops at the first, a check names them all. After each
+    problem the fields it names (unknown ones, or the bad one) are left out and the rest is
+    tried again, so one bad field hides no other. The policy is None when there is a problem."""
+    if not isinstance(override, Mapping):
+        try:
+            return base.overridden_by(override), []
+        except ConfigError as exc:
+            return None, [str(exc)]
+    fields = dict(override)
+    problems: list[str] = []
+    while True:
+        try:
+            policy = base.replace(**fields)
+        except ConfigError as exc:
+            problems.append(str(exc))
+            named = _BAD_FIELD.match(str(exc))
+            bad = (set(fields) - FIELDS) or ({named[1]} & set(fields) if named else set())
+            if not bad:
+                return None, problems  # about several fields at once: none to leave out
+            for name in bad:
+                del fields[name]
+            continue
+        return (None if problems else policy), problems
+
+
+def _policies(values: Mapping[str, Any]) -> tuple[Policies | None, list[CheckMessage]]:
+    """The policies of ``DEFAULT`` and ``QUEUES`` as the guard builds them, or one E002 per
+    problem (every bad field of every policy dict) with the guard's own ConfigError text."""
     hint = f"Policy fields: {', '.join(sorted(FIELDS))}; {_DOCS}"
-    try:
-        Policy().overridden_by(values["DEFAULT"])
-    except ConfigError as exc:
-        return None, [Error(f'settings.TASKONCE["DEFAULT"]: {exc}', hint=hint, id="taskonce.E002")]
+    default, problems = _policy_problems(Policy(), values["DEFAULT"])
+    errors = [
+        Error(f'settings.TASKONCE["DEFAULT"]: {text}', hint=hint, id="taskonce.E002")
+        for text in problems
+    ]
+    for queue, override in values["QUEUES"].items():
+        # over the default as far as it is valid, so a queue's own mistakes are found too
+        _, problems = _policy_problems(default or Policy(), override)
+        errors += [
+            Error(
+                f'settings.TASKONCE["QUEUES"]: policy of queue {queue!r}: {text}',
+                hint=hint,
+                id="taskonce.E002",
+            )
+            for text in problems
+        ]
+    if errors:
+        return None, errors
     try:
         policies = Policies(values["DEFAULT"], values["QUEUES"], lambda policy: None)
     except ConfigError as exc:
@@ -391,6 +437,13 @@ def check_store_answers(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
 
 # -- E007: the migrations ran ------------------------------------------------------------------
 
+#: Django's commands that make, inspect or apply migrations: E007 does not stop them (a new
+#: project runs ``makemigrations`` before its first ``migrate``). ``check``, ``runserver`` and
+#: the workers still report it.
+MIGRATION_COMMANDS = frozenset(
+    {"makemigrations", "migrate", "showmigrations", "sqlmigrate", "squashmigrations"}
+)
+
 
 def check_migrations(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
@@ -399,8 +452,10 @@ def check_migrations(
 
     ``migrate`` runs the checks with its database (``databases``) before it applies them: not
     reported there, nor by an in-process ``call_command("check", databases=…)``; ``manage.py
-    check --database …`` reports it. A database that does not answer (not created yet, a build
-    without one) is not reported: ``migrate`` says that itself."""
+    check --database …`` reports it. Nor while one of :data:`MIGRATION_COMMANDS` runs (named
+    by ``sys.argv``, as ``manage.py`` and ``django-admin`` have it). A database that does not
+    answer (not created yet, a build without one) is not reported: ``migrate`` says that
+    itself."""
     from django.db import DatabaseError
 
     from taskonce.django_ext import conf
@@ -409,6 +464,8 @@ def check_migrations(
 
     if databases is not None and sys.argv[1:2] != ["check"]:
         return []
+    if sys.argv[1:2] and sys.argv[1] in MIGRATION_COMMANDS:
+        return []  # they make, show or apply the very migrations E007 asks for
     try:
         url = conf.store_url()
     except ConfigError:
@@ -441,6 +498,7 @@ register(check_migrations, TAG)
 
 __all__ = [
     "MIDDLEWARE_PATHS",
+    "MIGRATION_COMMANDS",
     "PROBE_TIMEOUT",
     "TAG",
     "check_migrations",

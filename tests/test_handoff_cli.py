@@ -85,6 +85,40 @@ def test_relay_once_publishes_through_the_apps_publisher(
     assert json.loads(text) == {"dispatched": 0}
 
 
+def test_relay_says_at_start_that_it_runs_until_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path}/cli.db"
+    (tmp_path / "relayloop.py").write_text("app = object()\n")
+    monkeypatch.chdir(tmp_path)
+    sweeps: list[float] = []
+
+    def relay_guard(app: Any) -> taskonce.Guard:
+        guard = taskonce.Guard(taskonce.open_store(url))
+
+        def relay(older_than: float, batch: int) -> int:
+            sweeps.append(older_than)
+            if len(sweeps) == 2:
+                raise KeyboardInterrupt  # the user's Ctrl-C, in the second sweep
+            return 0
+
+        monkeypatch.setattr(guard, "relay", relay)
+        return guard
+
+    from taskonce import celery_ext
+
+    monkeypatch.setattr(celery_ext, "relay_guard", relay_guard, raising=False)
+    code, text = run("relay", "--celery-app", "relayloop:app", "--every", "0.01")
+    assert (code, text, len(sweeps)) == (0, "", 2)
+    assert (
+        f"taskonce relay: running every 0.01 s on SQLStore sqlite:///{tmp_path}/cli.db "
+        "(table taskonce_keys); Ctrl-C stops it; --once for one sweep\n"
+    ) in capsys.readouterr().err
+    code, text = run("relay", "--celery-app", "relayloop:app", "--once")
+    assert (code, text) == (0, "published the pending sends of 0 record(s)\n")
+    assert "Ctrl-C" not in capsys.readouterr().err  # --once: one sweep, nothing to stop
+
+
 def test_relay_errors_are_clear(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -78,7 +78,11 @@ def test_a_crash_loop_runs_crash_limit_plus_one_times_then_is_quarantined(
     with pytest.raises(Quarantined) as raised:
         guard.begin(Delivery("m1", "q", task=TASK), (1,), {})
     assert (raised.value.key, raised.value.count) == (KEY, 4)
-    assert "taskonce release 'q:m1'" in str(raised.value)
+    assert str(raised.value) == (
+        "key 'q:m1' quarantined: the process running it died 4 times (crash_limit); not run "
+        "again until released: taskonce release 'q:m1' --store URL (in a Django project: "
+        "python manage.py taskonce release 'q:m1')"
+    )
     record = store.get(KEY)
     assert record is not None and record.status is Status.QUARANTINED and record.crashes == 4
     assert record.expires_at == pytest.approx(clock.now + guard.default.keep_for)

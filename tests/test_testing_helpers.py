@@ -255,8 +255,14 @@ def test_dramatiq_deliver_twice_needs_the_stub_broker() -> None:
 
     broker = RedisBroker(url="redis://127.0.0.1:1/0")  # never connected to
     actor = dramatiq.actor(lambda: None, broker=broker, actor_name="elsewhere")
-    with pytest.raises(taskonce.ConfigError, match="needs Dramatiq's StubBroker"):
+    with pytest.raises(taskonce.ConfigError) as raised:
         deliver_twice(actor)
+    assert str(raised.value) == (
+        "deliver_twice needs Dramatiq's StubBroker; actor 'elsewhere' is on RedisBroker "
+        "(taskonce.testing.stub_broker(guard) makes one; with django_dramatiq, test settings "
+        "whose DRAMATIQ_BROKER is dramatiq.brokers.stub.StubBroker with taskonce's middleware: "
+        "see docs/django.md, Testing)"
+    )
 
 
 # -- plain Python -------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ if __name__ == "__main__":
     execute_from_command_line(sys.argv)
 """
 
+#: INIT and CELERY are docs/django.md's Celery example, line for line (tests/test_docs.py).
 INIT = """\
 from .celery import app as celery_app
 
@@ -47,7 +48,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
 app = Celery("proj")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
-setup(app, taskonce.django_ext.guard())  # the guard built from settings.TASKONCE
+setup(app, taskonce.django_ext.guard())
 """
 
 SETTINGS = """\

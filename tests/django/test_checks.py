@@ -114,6 +114,30 @@ def test_e002_bad_policy_field_or_value_with_the_guards_text() -> None:
     assert "Policy.lease=0 is not valid" in only(run(TASKONCE=lease), "taskonce.E002").msg
 
 
+def test_e002_names_every_bad_field_of_every_policy() -> None:
+    """The guard stops at the first mistake; the check names them all, one error each."""
+    taskonce = {
+        **PROJECT,
+        "DEFAULT": {"mode": "eagre", "lease": 0, "mdoe": "lazy", "keep_for": 3600},
+        "QUEUES": {"emails": {"transactional": "yes", "crash_limit": -1}, "ok": {"lease": 9}},
+    }
+    found = [m.msg for m in run(TASKONCE=taskonce) if m.id == "taskonce.E002"]
+    assert found[0].startswith(
+        "settings.TASKONCE[\"DEFAULT\"]: unknown Policy field(s) mdoe (did you mean 'mode'?); "
+        "known: check_first, "
+    )
+    assert found[1:] == [
+        "settings.TASKONCE[\"DEFAULT\"]: Policy.mode='eagre' is not valid; choose one of eager, "
+        "lazy",
+        'settings.TASKONCE["DEFAULT"]: Policy.lease=0 is not valid; it must be a positive '
+        "number of seconds",
+        "settings.TASKONCE[\"QUEUES\"]: policy of queue 'emails': Policy.transactional='yes' is "
+        "not valid; it must be True or False",
+        "settings.TASKONCE[\"QUEUES\"]: policy of queue 'emails': Policy.crash_limit=-1 is not "
+        "valid; it must be a whole number of take-overs, 0 or more (0 turns quarantine off)",
+    ]
+
+
 def test_e003_a_store_url_taskonce_cannot_open() -> None:
     message = only(run(TASKONCE={"STORE": "mongodb://db/x"}), "taskonce.E003")
     assert message.msg.startswith("unknown store URL scheme 'mongodb' in 'mongodb://db/x'")

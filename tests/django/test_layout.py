@@ -58,6 +58,50 @@ def test_a_taskonce_typo_is_a_check_error_without_a_traceback(tmp_path: Path) ->
     assert "(taskonce.E001)" in migrate.stderr and "Traceback" not in migrate.stderr
 
 
+def test_the_documented_layout_starts_a_worker_without_django_settings_module(
+    tmp_path: Path,
+) -> None:
+    """docs/django.md's layout as written: ``celery -A proj worker`` in a shell where
+    DJANGO_SETTINGS_MODULE is not set starts (proj/celery.py sets it). The control: the same
+    layout without that line stops at once, Django's settings not configured."""
+    import os
+    import signal
+    import subprocess
+
+    from tests.django.layout_project import CELERY, env
+    from tests.helpers import wait_for
+
+    project = write_project(tmp_path)
+    assert "DJANGO_SETTINGS_MODULE" not in env()
+    assert run(project, "manage.py", "migrate", "--noinput").returncode == 0
+    log_path = tmp_path / "worker.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [celery(), "-A", "proj", "worker", "-P", "solo", "--without-mingle", "-l", "INFO"],
+            cwd=project, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+
+        def ready() -> bool:
+            assert process.poll() is None, log_path.read_text(errors="replace")
+            return " ready." in log_path.read_text(errors="replace")
+
+        wait_for(ready, timeout=60, interval=0.1, what="the layout's worker to be ready")
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+    setdefault = 'os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")\n'
+    assert setdefault in CELERY
+    (project / "proj" / "celery.py").write_text(CELERY.replace(setdefault, ""))
+    status, output, _ = worker(project)
+    assert status != 0
+    assert "settings are not configured" in output
+
+
 def test_a_bad_policy_value_is_e002(tmp_path: Path) -> None:
     check = run(write_project(tmp_path, BAD_MODE), "manage.py", "check")
     assert check.returncode == 1
@@ -121,6 +165,16 @@ def test_unapplied_migrations_are_a_check_error_that_migrate_mends(tmp_path: Pat
         "?: (taskonce.E007) taskonce's migration(s) taskonce.0001_initial, taskonce.0002_receipts"
     ) in check.stderr
     assert "HINT: python manage.py migrate --database default" in check.stderr
+    # a new project makes its own migrations before the first migrate: not stopped by E007
+    make = run(project, "manage.py", "makemigrations", "shop")
+    assert make.returncode == 0, make.stderr
+    assert (project / "shop" / "migrations" / "0001_initial.py").is_file()
+    for argv in (("showmigrations", "shop"), ("sqlmigrate", "shop", "0001")):
+        shown = run(project, "manage.py", *argv)
+        assert shown.returncode == 0, shown.stderr
+        assert "taskonce.E007" not in shown.stderr
+    check = run(project, "manage.py", "check")  # check still says it
+    assert check.returncode == 1 and "(taskonce.E007)" in check.stderr
     migrate = run(project, "manage.py", "migrate", "--noinput")  # not stopped by E007
     assert migrate.returncode == 0, migrate.stderr
     check = run(project, "manage.py", "check")
@@ -139,6 +193,53 @@ def test_the_docs_django_test_example_passes_under_pytest_django(tmp_path: Path)
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 passed" in done.stdout
+
+
+ACTORS = """\
+import dramatiq
+
+from .models import Order, Payment
+
+
+@dramatiq.actor(queue_name="payments")
+def charge(order_id):
+    Order.objects.filter(pk=order_id).update(paid=True)
+    Payment.objects.create(order_id=order_id, cents=500)
+"""
+
+#: What the project's settings add for django_dramatiq (docs/django.md, Five lines for Dramatiq).
+WITH_DJANGO_DRAMATIQ = """
+INSTALLED_APPS.insert(0, "django_dramatiq")
+DRAMATIQ_BROKER = {
+    "BROKER": "dramatiq.brokers.rabbitmq.RabbitmqBroker",
+    "OPTIONS": {"url": "amqp://127.0.0.1:1"},  # the tests must not need it
+    "MIDDLEWARE": ["taskonce.django_ext.IdempotencyMiddleware"],
+}
+"""
+
+
+def test_the_docs_dramatiq_test_example_passes_with_the_stub_broker(tmp_path: Path) -> None:
+    """docs/django.md's test settings and actor test, as written, in a django_dramatiq project;
+    the control: the same test under a plain ``django_db`` mark fails (the actor's thread does
+    not see the test's uncommitted order), as the page says."""
+    settings = docs_block("django.md", "# proj/settings_test.py (pytest --ds proj.settings_test)")
+    tests = docs_block("django.md", "# shop/test_actors.py")
+    project = write_project(tmp_path)
+    with (project / "proj" / "settings.py").open("a") as file:
+        file.write(WITH_DJANGO_DRAMATIQ)
+    (project / "proj" / "settings_test.py").write_text(settings)
+    (project / "shop" / "actors.py").write_text(ACTORS)
+    (project / "shop" / "test_actors.py").write_text(tests)
+    argv = ("-m", "pytest", "-p", "no:cacheprovider", "--ds", "proj.settings_test", "-q")
+    done = run(project, *argv, "shop/test_actors.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
+    plain = tests.replace("@pytest.mark.django_db(transaction=True)", "@pytest.mark.django_db")
+    assert plain != tests
+    (project / "shop" / "test_plain.py").write_text(plain)
+    done = run(project, *argv, "shop/test_plain.py")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "1 failed" in done.stdout
 
 
 DRAMATIQ_SETTINGS = """\

@@ -4,7 +4,8 @@
 
 Settings come from Django's (``CELERY_*``); the guard from ``settings.TASKONCE``. Tasks are
 in ``shop/tasks.py`` (found by ``autodiscover_tasks``). The lines are those of
-docs/django.md's Celery example (tests/test_docs.py checks they are the same).
+docs/django.md's Celery example (the copy tests/test_docs.py checks line for line is
+tests/django/layout_project.py's).
 """
 
 from __future__ import annotations
