@@ -4,10 +4,8 @@ user's ``myapp.tasks`` (tests/docs_apps) and the page's three lines run as a scr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -20,6 +18,7 @@ import redis
 
 from taskonce.demo.common import delete_redis_keys
 from tests.docs_apps import PATH as APPS
+from tests.docs_apps import myapp_worker
 from tests.helpers import REDIS_URL, require_service, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,21 +52,7 @@ def events(env: dict[str, str], message_id: str) -> list[str]:
 
 
 def test_the_second_copy_is_skipped(env: dict[str, str], tmp_path: Path) -> None:
-    log = tmp_path / "worker.log"
-    with open(log, "wb") as out:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "myapp.tasks", "worker", "-P", "prefork",
-             "-c", "1", "--without-gossip", "--without-mingle", "--without-heartbeat",
-             "-n", f"{env['MYAPP_PREFIX']}@%h", "-l", "INFO"],
-            cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-
-    def ready() -> bool:
-        assert worker.poll() is None, log.read_text()
-        return " ready." in log.read_text()
-
-    try:
-        wait_for(ready, timeout=60, interval=0.1, what="the worker to be ready")
+    with myapp_worker("myapp.tasks", env, tmp_path):
         subprocess.run(
             [sys.executable, str(APPS / "try_a_duplicate.py")],
             cwd=tmp_path, env=env, check=True, timeout=60,
@@ -82,11 +67,3 @@ def test_the_second_copy_is_skipped(env: dict[str, str], tmp_path: Path) -> None
         assert names.count("completed") == 1 and names.count("duplicate_skipped") == 1, names
         runs = redis.Redis.from_url(REDIS_URL).get(f"{env['MYAPP_PREFIX']}:runs:A-1")
         assert int(runs or 0) == 1
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(worker.pid, signal.SIGTERM)
-        try:
-            worker.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait(timeout=10)

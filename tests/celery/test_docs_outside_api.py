@@ -4,9 +4,8 @@ and the charge's ``Idempotency-Key`` is the delivery's ``taskonce.current_key()`
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -17,6 +16,7 @@ import pytest
 
 from taskonce.demo.common import delete_redis_keys
 from tests.docs_apps import PATH as APPS
+from tests.docs_apps import myapp_worker
 from tests.helpers import REDIS_URL, require_service, wait_for
 from tests.payments_server import PaymentsServer
 
@@ -42,48 +42,36 @@ def env(tmp_path: Path, payments: PaymentsServer) -> Iterator[dict[str, str]]:
         "MYAPP_STORE": REDIS_URL,
         "MYAPP_PREFIX": prefix,
         "PAYMENTS_URL": payments.url,
+        "MYAPP_EVENTS": str(tmp_path / "events.jsonl"),
     }
     delete_redis_keys(REDIS_URL, f"{prefix}*")
+
+
+def events(env: dict[str, str], message_id: str) -> list[str]:
+    path = Path(env["MYAPP_EVENTS"])
+    lines = path.read_text().splitlines() if path.exists() else []
+    found = [json.loads(line) for line in lines if line.strip()]
+    return [e["event"] for e in found if e.get("message_id") == message_id]
 
 
 def test_a_duplicate_charges_once_with_the_deliverys_key(
     env: dict[str, str], tmp_path: Path, payments: PaymentsServer
 ) -> None:
-    log = tmp_path / "worker.log"
-    with open(log, "wb") as out:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "myapp.billing", "worker", "-P", "prefork",
-             "-c", "1", "--without-gossip", "--without-mingle", "--without-heartbeat",
-             "-n", f"{env['MYAPP_PREFIX']}@%h", "-l", "INFO"],
-            cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-
-    def ready() -> bool:
-        assert worker.poll() is None, log.read_text()
-        return " ready." in log.read_text()
-
     send = (
         "from myapp.billing import charge\n"
         "charge.apply_async(('A-1', 500), task_id='order-A-1')\n"
         "charge.apply_async(('A-1', 500), task_id='order-A-1')\n"
     )
-    try:
-        wait_for(ready, timeout=60, interval=0.1, what="the worker to be ready")
+    with myapp_worker("myapp.billing", env, tmp_path):
         subprocess.run([sys.executable, "-c", send], cwd=tmp_path, env=env, check=True, timeout=60)
         wait_for(
-            lambda: log.read_text().count("succeeded") + log.read_text().count("duplicate") >= 2,
+            lambda: {"completed", "duplicate_skipped"} <= set(events(env, "order-A-1")),
             timeout=60,
             interval=0.1,
-            what=f"both copies to be handled: {log.read_text()[-2000:]}",
+            what=f"both copies to be handled: {events(env, 'order-A-1')}",
         )
-        assert len(payments.charges) == 1, payments.charges
-        assert payments.charges[0]["key"] == "celery:order-A-1"
-        assert [status for _, status in payments.requests] == [201]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(worker.pid, signal.SIGTERM)
-        try:
-            worker.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait(timeout=10)
+    names = events(env, "order-A-1")
+    assert names.count("completed") == 1 and names.count("duplicate_skipped") == 1, names
+    assert len(payments.charges) == 1, payments.charges
+    assert payments.charges[0]["key"] == "celery:order-A-1"
+    assert [status for _, status in payments.requests] == [201]

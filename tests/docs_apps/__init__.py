@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
+import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,3 +27,36 @@ def fixed_names(what: str) -> Iterator[None]:
     with open(Path(tempfile.gettempdir()) / f"taskonce-tests-{what}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+@contextlib.contextmanager
+def myapp_worker(app: str, env: dict[str, str], folder: Path) -> Iterator[Path]:
+    """A real ``celery -A app worker`` (prefork, one child) of the user's app, ready; yields its
+    log file and stops it (its process group) at the end. ``env`` names its own ``MYAPP_PREFIX``,
+    which is also its node name."""
+    from tests.helpers import wait_for
+
+    log = folder / "worker.log"
+    with open(log, "wb") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", app, "worker", "-P", "prefork",
+             "-c", "1", "--without-gossip", "--without-mingle", "--without-heartbeat",
+             "-n", f"{env['MYAPP_PREFIX']}@%h", "-l", "INFO"],
+            cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+    def ready() -> bool:
+        assert worker.poll() is None, log.read_text()
+        return " ready." in log.read_text()
+
+    try:
+        wait_for(ready, timeout=60, interval=0.1, what="the worker to be ready")
+        yield log
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=10)
