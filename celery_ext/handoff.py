@@ -119,7 +119,13 @@ def _capture(
             ) from exc
     if keeper.message is None:  # a send_task that published nothing (nothing to record)
         return result
-    capture.add(FRAMEWORK, {"task": name, MESSAGE: keeper.message}, message_id=send_id, name=name)
+    capture.add(
+        FRAMEWORK,
+        {"task": name, MESSAGE: keeper.message},
+        message_id=send_id,
+        name=name,
+        size=keeper.size,
+    )
     return result
 
 

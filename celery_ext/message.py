@@ -110,6 +110,8 @@ class CapturingProducer:
         self._producer = producer
         #: the captured message (JSON-safe, for :func:`publish_stored`), once ``publish`` ran
         self.message: dict[str, Any] | None = None
+        #: the kept message's body bytes as kombu encoded them (what ``send_limit`` counts)
+        self.size = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._producer, name)
@@ -170,6 +172,7 @@ class CapturingProducer:
         )
         # kombu hands a text body (JSON, yaml) to the channel encoded in its content encoding
         raw = data.encode(content_encoding or "utf-8") if isinstance(data, str) else bytes(data)
+        self.size = len(raw)
         self.message = {
             "body": base64.b64encode(raw).decode("ascii"),
             "content_type": content_type,

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("taskonce")
 
-#: Default size limit of one handler's captured sends (JSON text, in bytes).
+#: Default size limit of one handler's captured sends (bytes as the framework encoded them).
 DEFAULT_SEND_LIMIT = 1 << 20
 
 #: Child ids are uuid5 names in this namespace: the same parent key and ordinal give the same id.
@@ -173,14 +173,19 @@ class Capture:
         message_id: str | None = None,
         *,
         name: str | None = None,
+        size: int | None = None,
     ) -> str:
         """Capture one send; return its id: ``message_id`` if the caller chose one, else
         ``derive_id(parent_key, ordinal)``.
 
         ``name`` (the task/actor being sent; default ``body["task"]``/``body["actor_name"]``)
-        only serves error messages. Raises :class:`~taskonce.errors.SendRefused` naming the
-        sender, the message and the argument when ``body`` is not JSON-serialisable, or when the
-        handler's captures would exceed the size limit. A refused send is not captured.
+        only serves error messages. ``size`` is the message's size as its framework encoded it
+        (body bytes), what the limit counts; default: the stored text's, for sends kept as
+        JSON arguments. The stored text of an encoded message is larger (its bytes in Base64):
+        the limit is on what the handler sends, not on how it is kept. Raises
+        :class:`~taskonce.errors.SendRefused` naming the sender, the message and the argument
+        when ``body`` is not JSON-serialisable, or when the handler's captures would exceed the
+        size limit. A refused send is not captured.
         """
         if not isinstance(body, dict):
             raise SendRefused(f"{self._sender()}: a send's body must be a dict, not {body!r:.80}")
@@ -196,7 +201,7 @@ class Capture:
                 f"({exc}); deferred sends are stored as JSON, so pass JSON values (str, int, "
                 "float, bool, None, list, dict) or use taskonce.send_now() for this send"
             ) from None
-        size = self.size + len(text.encode())
+        size = self.size + (len(text.encode()) if size is None else size)
         if size > self.limit:
             raise SendRefused(
                 f"{self._sender()} sent {target!r}: its captured sends would take {size} bytes, "

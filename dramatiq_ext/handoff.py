@@ -129,7 +129,7 @@ def _enqueue(
         "delay": delay,
         MESSAGE: base64.b64encode(encoded).decode("ascii"),
     }
-    capture.add(FRAMEWORK, body, message_id=send_id, name=message.actor_name)
+    capture.add(FRAMEWORK, body, message_id=send_id, name=message.actor_name, size=len(encoded))
     return message
 
 

@@ -167,3 +167,25 @@ def test_the_stored_text_is_json() -> None:
         json.dumps(record.as_dict())  # what `taskonce inspect` prints
     finally:
         app.close()
+
+
+def test_the_send_limit_counts_the_message_as_encoded_not_as_stored() -> None:
+    """Stored in Base64, 800 kB of bytes take about 1.07 MB of text: under the 1 MiB default a
+    handler may still send them (Celery's own test_chain_to_a_chord_with_large_header sends
+    about 780 kB), and twice that is refused naming the limit."""
+    app, guard, parent = make_app("json")
+    try:
+        delivered(app)  # the memory broker is the process's: what earlier tests left
+        parent.apply(args=(["x" * 800_000],), task_id="p-big").get()
+        [message] = delivered(app)
+        assert json.loads(message.body)[0] == ["x" * 800_000]
+        stored = len(base64.b64encode(message.body))  # what the store held
+        assert stored > taskonce.handoff.DEFAULT_SEND_LIMIT
+        result = parent.apply(args=(["x" * 1_100_000],), task_id="p-bigger")
+        assert isinstance(result.result, taskonce.SendRefused)
+        assert f"over the limit of {taskonce.handoff.DEFAULT_SEND_LIMIT} bytes" in str(
+            result.result
+        )
+        assert guard.store.get("units:p-bigger") is None and delivered(app) == []
+    finally:
+        app.close()
