@@ -34,7 +34,7 @@ from taskonce.exits import (
     extra_hint,
 )
 from taskonce.guard import Guard
-from taskonce.keys import _escape_queue, make_key, queue_of
+from taskonce.keys import make_key, queue_of, queue_prefix
 from taskonce.stores import Store, open_store, redact
 
 DEFAULT_STORE_PATH = "taskonce.db"
@@ -168,7 +168,7 @@ def _cmd_stats(args: argparse.Namespace, out: TextIO) -> int:
     queue = getattr(args, "queue", None)
     with _open_existing(args, read_only=True) as store:
         expired = int(store.stats()["expired"])
-        key_prefix = "" if queue is None else f"{_escape_queue(queue)}:"
+        key_prefix = "" if queue is None else queue_prefix(queue)
         queues: dict[str, dict[str, int]] = {}
         for record in store.records(key_prefix):
             row = queues.setdefault(_queue_of(record.key), dict.fromkeys(_COUNTS, 0))

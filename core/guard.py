@@ -42,9 +42,9 @@ from taskonce.heartbeat import Heartbeat
 from taskonce.keys import make_key, owner_token, payload_fingerprint
 from taskonce.outage import START_TIMEOUT, StoreHealth, store_probe, wait_for_store
 from taskonce.outbox import (
-    _PUBLISHING,
     OUTBOX_PREFIX,
     OutboxRow,
+    add_publishing_guard,
     discard_uncommitted,
     dispatch_committed,
     publishing_guards,
@@ -54,7 +54,7 @@ from taskonce.record import decode_result, encode_result, winning_record, write_
 from taskonce.relay import RelayThread
 from taskonce.session import close_session, open_session
 from taskonce.stores.base import ClaimOutcome, Record, Status, Store, TransactionalStore
-from taskonce.ticket import Decision, Delivery, Outcome, Ticket, ticket_event
+from taskonce.ticket import Decision, Delivery, Outcome, Ticket, emit_event
 from taskonce.worker import Liveness, identity, identity_text, judge_owner
 
 logger = logging.getLogger("taskonce")
@@ -136,7 +136,7 @@ class Guard:
         the same framework replaces the first.
         """
         self.dispatcher.register(framework, publish)
-        _PUBLISHING.add(self)
+        add_publishing_guard(self)
 
     def frameworks(self) -> tuple[str, ...]:
         """The frameworks whose sends this guard can publish (registered publishers)."""
@@ -274,7 +274,7 @@ class Guard:
         ticket.owner = owner
         quarantine.check(self.store, ticket, owner, self._emit, reason)  # past crash_limit: raises
         self._emit(event, ticket, reason=reason, recovery_s=recovery_s)
-        ticket._heartbeat = self._heartbeat.watch(ticket.policy.lease, lambda: self._renew(ticket))
+        ticket.renewal = self._heartbeat.watch(ticket.policy.lease, lambda: self._renew(ticket))
 
     def _begin_lazy(self, ticket: Ticket) -> None:
         assert ticket.key is not None
@@ -389,7 +389,7 @@ class Guard:
         )
         # The sends' dispatch token: the claim's owner token (eager), a fresh one (lazy).
         token = ticket.owner or (secrets.token_hex(16) if sends else "")
-        transactional = ticket._session is not None
+        transactional = ticket.session is not None
         recorded = rolled_back = False
         try:
             recorded = write_outcome(
@@ -571,7 +571,7 @@ class Guard:
         try:
             self.store.renew(ticket.key, ticket.owner, ticket.policy.lease)
         except LeaseLost:
-            if ticket._heartbeat is None:
+            if ticket.renewal is None:
                 return  # finish/fail ran meanwhile: the claim is complete, not lost
             ticket.lost = True
             self._emit(Event.LEASE_LOST, ticket, duration=True)
@@ -583,9 +583,9 @@ class Guard:
         self._emit(Event.LEASE_RENEWED, ticket)
 
     def _stop_heartbeat(self, ticket: Ticket) -> None:
-        if ticket._heartbeat is not None:
-            self._heartbeat.unwatch(ticket._heartbeat)
-            ticket._heartbeat = None
+        if ticket.renewal is not None:
+            self._heartbeat.unwatch(ticket.renewal)
+            ticket.renewal = None
 
     def _emit(
         self,
@@ -596,9 +596,7 @@ class Guard:
         recovery_s: float | None = None,
         count: int | None = None,
     ) -> None:
-        # Runs several times per delivery: skip the work when nobody would see the event.
-        if not self.sinks.quiet(name):
-            self.sinks.send(ticket_event(name, ticket, duration, reason, recovery_s, count))
+        emit_event(self.sinks, name, ticket, duration, reason, recovery_s, count)
 
 
 def _check_supports(store: Store, policy: Policy) -> None:

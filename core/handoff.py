@@ -270,9 +270,9 @@ def start_capture(ticket: Ticket, send_limit: int) -> None:
         ticket.capture = Capture(
             base, ticket.delivery.task, send_limit, ticket.policy.confirm_within
         )
-        ticket._capture_token = _capture.set(ticket.capture)
+        ticket.capture_token = _capture.set(ticket.capture)
     elif _capture.get() is not None:
-        ticket._capture_token = _capture.set(None)
+        ticket.capture_token = _capture.set(None)
 
 
 def end_capture(ticket: Ticket) -> tuple[str, ...]:
@@ -280,12 +280,12 @@ def end_capture(ticket: Ticket) -> tuple[str, ...]:
     from taskonce.ticket import reset_var
 
     capture = ticket.capture
-    if capture is None and ticket._capture_token is None:
+    if capture is None and ticket.capture_token is None:
         return ()
     ticket.capture = None
-    if ticket._capture_token is not None:
-        reset_var(_capture, ticket._capture_token)
-        ticket._capture_token = None
+    if ticket.capture_token is not None:
+        reset_var(_capture, ticket.capture_token)
+        ticket.capture_token = None
     return () if capture is None else tuple(capture.texts)
 
 

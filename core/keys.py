@@ -31,9 +31,10 @@ _CANONICAL = json.JSONEncoder(
 )
 
 
-def _escape_queue(queue: str) -> str:
-    # ":" separates queue from id; escaping it keeps ("a:b", "c") and ("a", "b:c") apart.
-    return queue.replace("%", "%25").replace(":", "%3A")
+def queue_prefix(queue: str) -> str:
+    """The start of every key :func:`make_key` makes on ``queue`` (identity ``id+queue``):
+    the queue, escaped, and its ``:``. Escaping keeps ("a:b", "c") and ("a", "b:c") apart."""
+    return queue.replace("%", "%25").replace(":", "%3A") + ":"
 
 
 def queue_of(key: str) -> str | None:
@@ -73,7 +74,7 @@ def make_key(message_id: object, queue: object, identity: str) -> str:
             f"message id {message_id!r} or queue {queue!r} is not valid Unicode text (a lone "
             "surrogate); a store key must encode as UTF-8"
         ) from None
-    key = message_id if identity == "id" else f"{_escape_queue(queue)}:{message_id}"
+    key = message_id if identity == "id" else f"{queue_prefix(queue)}{message_id}"
     if len(key) > MAX_KEY_LENGTH:
         raise InvalidInput(
             f"key for message id {message_id[:40]!r}… on queue {queue[:40]!r} is {len(key)} "

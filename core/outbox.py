@@ -47,6 +47,11 @@ def publishing_guards() -> list[Guard]:
     return list(_PUBLISHING)
 
 
+def add_publishing_guard(guard: Guard) -> None:
+    """Count ``guard`` among :func:`publishing_guards` (held weakly: a dropped guard leaves)."""
+    _PUBLISHING.add(guard)
+
+
 #: Keys of the producer outbox's records (:func:`taskonce.send_on_commit`) start with this.
 OUTBOX_PREFIX = "outbox:"
 
@@ -474,6 +479,7 @@ def _after_transaction_end(session: Session, transaction: Any) -> None:
 __all__ = [
     "OUTBOX_PREFIX",
     "OutboxRow",
+    "add_publishing_guard",
     "capturing_sends",
     "publishing_guard",
     "send_on_commit",

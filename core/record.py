@@ -60,7 +60,7 @@ def write_outcome(
     False when a lazy mark met a live record (a concurrent duplicate; transactional: this
     run's transaction is then rolled back, and the guard decides what it was)."""
     assert ticket.key is not None
-    key, policy, session = ticket.key, ticket.policy, ticket._session
+    key, policy, session = ticket.key, ticket.policy, ticket.session
     complete: Callable[..., None] = store.complete
     mark: Callable[..., bool] = store.mark
     if session is not None:  # the writer: the store inside the handler's transaction
@@ -119,7 +119,7 @@ def final_write(store: Store, ticket: Ticket, write: Callable[[], T]) -> T:
         try:
             answer = write()
         except StoreUnavailable:
-            if attempt == FINAL_WRITE_ATTEMPTS - 1 or ticket._session is not None:
+            if attempt == FINAL_WRITE_ATTEMPTS - 1 or ticket.session is not None:
                 raise
             time.sleep(0.2 * (attempt + 1))
             continue
@@ -150,15 +150,15 @@ def commit(ticket: Ticket) -> None:
     rolling back."""
     from sqlalchemy.exc import IntegrityError, OperationalError
 
-    assert ticket._session is not None
+    assert ticket.session is not None
     try:
-        ticket._session.commit()
+        ticket.session.commit()
     except IntegrityError as exc:
-        ticket._session.rollback()
+        ticket.session.rollback()
         handlers_own(exc)
         raise
     except OperationalError as exc:
-        ticket._session.rollback()
+        ticket.session.rollback()
         raise StoreUnavailable(f"commit of {ticket.key!r} failed: {exc.orig}") from exc
 
 

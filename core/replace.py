@@ -44,7 +44,7 @@ from taskonce.errors import StoreUnavailable
 from taskonce.events import Event
 from taskonce.handoff import end_capture
 from taskonce.stores.base import MAX_KEY_LENGTH
-from taskonce.ticket import Decision, Ticket
+from taskonce.ticket import Decision, Ticket, emit_event
 
 if TYPE_CHECKING:
     from taskonce.guard import Guard
@@ -90,7 +90,7 @@ def hand_over(guard: Guard, ticket: Ticket) -> Handover | None:
     if ticket.decision is not Decision.RUN or ticket.key is None:
         return None
     capture = ticket.capture
-    if capture is None or not capture.texts or ticket._session is not None:
+    if capture is None or not capture.texts or ticket.session is not None:
         guard.fail(ticket)  # discards the sends (an event), rolls back, releases
         return None
     texts = end_capture(ticket)
@@ -102,17 +102,17 @@ def hand_over(guard: Guard, ticket: Ticket) -> Handover | None:
             key, ticket.policy.keep_for, None, None, texts, token, guard.recorder_hold
         ):
             handover = Handover(ticket, key, texts, token=token)
-            guard._emit(Event.SENDS_DEFERRED, ticket, count=len(texts))
+            emit_event(guard.sinks, Event.SENDS_DEFERRED, ticket, count=len(texts))
         else:  # an earlier run of this message recorded the same sends (the same ids)
             handover = Handover(ticket, key, texts, stood=True)
-            guard._emit(Event.SENDS_DISCARDED, ticket, count=len(texts))
+            emit_event(guard.sinks, Event.SENDS_DISCARDED, ticket, count=len(texts))
     except StoreUnavailable:
         logger.warning(
             "could not record the sends %s made before it was replaced; they are published "
             "after the replacement, unrecorded",
             ticket.key,
         )
-        guard._emit(Event.STORE_ERROR, ticket, duration=True)
+        emit_event(guard.sinks, Event.STORE_ERROR, ticket, duration=True)
     guard.fail(ticket)  # the capture has ended: only the claim is released
     return handover
 
@@ -123,18 +123,18 @@ def dispatch(guard: Guard, handover: Handover) -> None:
     ticket, key, texts = handover.ticket, handover.key, handover.texts
 
     def store_error() -> None:
-        guard._emit(Event.STORE_ERROR, ticket)
+        emit_event(guard.sinks, Event.STORE_ERROR, ticket)
 
     try:
         if handover.token:
             if guard.dispatcher.dispatch(key, handover.token, texts, store_error):
-                guard._emit(Event.SENDS_DISPATCHED, ticket, count=len(texts))
+                emit_event(guard.sinks, Event.SENDS_DISPATCHED, ticket, count=len(texts))
         elif handover.stood:
             published, _ = guard.dispatcher.redispatch(key, store_error)
             if published:
-                guard._emit(Event.SENDS_REDISPATCHED, ticket, count=published)
+                emit_event(guard.sinks, Event.SENDS_REDISPATCHED, ticket, count=published)
         elif guard.dispatcher.publish_all(key, texts) is not None:  # unrecorded: at once
-            guard._emit(Event.SENDS_DISPATCHED, ticket, count=len(texts))
+            emit_event(guard.sinks, Event.SENDS_DISPATCHED, ticket, count=len(texts))
     except StoreUnavailable:
         logger.warning("sends of %s left pending for the relay (store unreachable)", key)
         store_error()
@@ -154,9 +154,9 @@ def withdraw(guard: Guard, handover: Handover) -> None:
             "withdrawn (store unreachable): the relay may publish them",
             handover.ticket.key,
         )
-        guard._emit(Event.STORE_ERROR, handover.ticket)
+        emit_event(guard.sinks, Event.STORE_ERROR, handover.ticket)
         return
-    guard._emit(Event.SENDS_DISCARDED, handover.ticket, count=len(handover.texts))
+    emit_event(guard.sinks, Event.SENDS_DISCARDED, handover.ticket, count=len(handover.texts))
 
 
 __all__ = ["REPLACED_PREFIX", "Handover", "dispatch", "hand_over", "record_key", "withdraw"]

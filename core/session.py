@@ -46,20 +46,20 @@ def open_session(store: Store, ticket: Ticket) -> None:
     ``transactional=True`` are refused for others) and make it :func:`current_session`."""
     assert isinstance(store, TransactionalStore)
     session = store.open_session()
-    ticket._session = session
-    ticket._session_token = _current.set(session)
+    ticket.session = session
+    ticket.session_token = _current.set(session)
 
 
 def close_session(ticket: Ticket) -> None:
     """Close the transactional ``ticket``'s session (rolling back whatever was not committed)
     and take it out of :func:`current_session`."""
-    session = ticket._session
+    session = ticket.session
     if session is None:
         return
-    ticket._session = None
+    ticket.session = None
     try:
         session.close()
     finally:
-        if ticket._session_token is not None:
-            reset_var(_current, ticket._session_token)
-            ticket._session_token = None
+        if ticket.session_token is not None:
+            reset_var(_current, ticket.session_token)
+            ticket.session_token = None

@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from taskonce.events import Event, utc_now_iso, worker_id
+from taskonce.events import Event, Sinks, utc_now_iso, worker_id
 from taskonce.policy import Policy
 
 if TYPE_CHECKING:
@@ -92,12 +92,21 @@ class Ticket:
     #: do nothing on a settled ticket: its claim is released at most once, and a second
     #: release never reports a lease nobody lost (``lease_lost``).
     settled: bool = False
-    _heartbeat: int | None = None
-    _session: Session | None = None
-    _session_token: contextvars.Token[Session | None] | None = None
+    # What the run holds while it runs, set and cleared by the modules that own each: the
+    # guard's lease renewal, taskonce.session's transaction, taskonce.handoff's capture.
+    #: the :class:`~taskonce.heartbeat.Heartbeat` handle renewing the claim's lease; None once
+    #: finish or fail stopped it (a renewal that meets a lost lease then reports nothing)
+    renewal: int | None = dataclasses.field(default=None, repr=False)
+    #: the transactional run's session (:func:`taskonce.current_session`); None outside one
+    session: Session | None = dataclasses.field(default=None, repr=False)
+    session_token: contextvars.Token[Session | None] | None = dataclasses.field(
+        default=None, repr=False
+    )
     #: the sends the handler made, captured for the hand-off (RUN with defer_sends)
     capture: Capture | None = None
-    _capture_token: contextvars.Token[Capture | None] | None = None
+    capture_token: contextvars.Token[Capture | None] | None = dataclasses.field(
+        default=None, repr=False
+    )
 
     @property
     def recheck(self) -> str | None:
@@ -156,3 +165,18 @@ def ticket_event(
         "recovery_s": recovery_s,
         "count": count,
     }
+
+
+def emit_event(
+    sinks: Sinks,
+    name: Event,
+    ticket: Ticket,
+    duration: bool = False,
+    reason: str | None = None,
+    recovery_s: float | None = None,
+    count: int | None = None,
+) -> None:
+    """Send ``ticket``'s event ``name`` (:func:`ticket_event`) to ``sinks``."""
+    # Runs several times per delivery: skip the work when nobody would see the event.
+    if not sinks.quiet(name):
+        sinks.send(ticket_event(name, ticket, duration, reason, recovery_s, count))

@@ -27,7 +27,7 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
 from taskonce.errors import ConfigError, TaskonceError
-from taskonce.keys import _escape_queue
+from taskonce.keys import queue_prefix
 from taskonce.receipts import RECEIVED_SUFFIX
 
 from .models import Record, WorkerSeen
@@ -108,7 +108,7 @@ class QueueFilter(admin.SimpleListFilter):
         value = self.value()
         if value is None:
             return queryset
-        return queryset.filter(key__startswith=f"{_escape_queue(str(value))}:")
+        return queryset.filter(key__startswith=queue_prefix(str(value)))
 
 
 class StateFilter(admin.SimpleListFilter):

@@ -17,7 +17,7 @@ from celery import Celery
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import taskonce
-from taskonce import guard as guard_module
+from taskonce import outbox as outbox_module
 from taskonce.celery_ext import IdempotentTask, setup
 
 
@@ -38,9 +38,9 @@ def shop(
     guards other tests of this process left registered are set aside meanwhile."""
     url = f"sqlite:///{tmp_path_factory.mktemp('web') / 'shop.db'}"
     gc.collect()
-    others = list(guard_module.publishing_guards())
+    others = list(outbox_module.publishing_guards())
     for other in others:
-        guard_module._PUBLISHING.discard(other)
+        outbox_module._PUBLISHING.discard(other)
     guard = taskonce.Guard(taskonce.open_store(url))
     app = Celery("web-requests-doc", broker="memory://", set_as_current=False)
     queue = f"web-requests-doc-{id(app)}"  # kombu's memory transport is one per process
@@ -69,7 +69,7 @@ def shop(
         engine.dispose()
         guard.close()
         app.close()
-        guard_module._PUBLISHING.update(others)
+        outbox_module._PUBLISHING.update(others)
 
 
 def test_the_message_leaves_after_the_commit(

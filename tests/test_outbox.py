@@ -387,12 +387,12 @@ def test_stores_without_transactions_are_refused(kind: str, tmp_path: Any) -> No
 def test_the_guard_is_found_when_there_is_exactly_one(world: World) -> None:
     import gc
 
-    from taskonce import guard as guard_module
+    from taskonce import outbox as outbox_module
 
     gc.collect()
-    others = [g for g in guard_module.publishing_guards() if g is not world.guard]
+    others = [g for g in outbox_module.publishing_guards() if g is not world.guard]
     for g in others:
-        guard_module._PUBLISHING.discard(g)
+        outbox_module._PUBLISHING.discard(g)
     try:
         with world.session() as session:
             with taskonce.send_on_commit(session):
@@ -405,10 +405,10 @@ def test_the_guard_is_found_when_there_is_exactly_one(world: World) -> None:
         with pytest.raises(taskonce.ConfigError, match="found 2 guards"):
             with taskonce.send_on_commit(world.session()):
                 pass
-        guard_module._PUBLISHING.discard(second)
+        outbox_module._PUBLISHING.discard(second)
     finally:
         for g in others:
-            guard_module._PUBLISHING.add(g)
+            outbox_module._PUBLISHING.add(g)
 
 
 class DyingGuard(taskonce.Guard):

@@ -146,7 +146,7 @@ def test_a_store_failing_at_the_commit_backs_off_released_once(
     guard = Guard(store, default=Policy(transactional=True), events=[events])
     action = before(guard, lambda: Delivery("m1", "pay"))
     assert action.ticket is not None
-    session = action.ticket._session
+    session = action.ticket.session
     assert session is not None
     current_session().execute(sa.text(f"INSERT INTO {effects} (ref) VALUES ('order-1')"))
 

@@ -103,8 +103,8 @@ def test_two_lazy_deliveries_that_both_ran_leave_one_row_and_one_run(
     write_effect(effects, "m1", "second")  # the current session is the second's
     guard.finish(second)
     # the first delivery's handler writes through its own session, then loses at the mark
-    assert first._session is not None
-    first._session.execute(sa.text(f"INSERT INTO {effects} (key, note) VALUES ('m1', 'first')"))
+    assert first.session is not None
+    first.session.execute(sa.text(f"INSERT INTO {effects} (key, note) VALUES ('m1', 'first')"))
     guard.finish(first)
     assert rows(store, effects) == [("m1", "second")]
     assert events == ["marked", "duplicate_skipped"]
