@@ -24,11 +24,12 @@ from taskonce.stores.base import Store
 
 logger = logging.getLogger("taskonce")
 
-#: Seconds a handler's recorder holds its sends after recording them, to publish them
-#: (milliseconds, normally). Short, so that when its worker dies right after the record a
-#: redelivery or the relay publishes them within seconds; a recorder still publishing after
-#: this may see them published twice, under the same ids (a guarded child drops the second).
-RECORDER_HOLD = 10.0
+#: Seconds of dispatch lease the recorder of a handler's sends takes as it records them, to
+#: publish them itself (milliseconds, normally). Short, so that when its worker dies right
+#: after the record a redelivery or the relay publishes them within seconds; a recorder still
+#: publishing after this may see them published twice, under the same ids (a guarded child
+#: drops the second).
+RECORDER_LEASE = 10.0
 
 #: A redelivery whose pending sends could not be published, or that found another dispatcher
 #: publishing them, comes back after at most this many seconds.

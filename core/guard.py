@@ -14,15 +14,14 @@ the producer outbox :mod:`taskonce.outbox`'s.
 from __future__ import annotations
 
 import logging
-import secrets
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from taskonce import quarantine, receipts, worker
+from taskonce import quarantine, worker
 from taskonce.current import run_as
-from taskonce.dispatch import RECORDER_HOLD, Dispatcher
+from taskonce.dispatch import RECORDER_LEASE, Dispatcher
 from taskonce.errors import (
     ConfigError,
     InProgressElsewhere,
@@ -50,7 +49,7 @@ from taskonce.outbox import (
     publishing_guards,
 )
 from taskonce.policy import Policies, Policy
-from taskonce.record import decode_result, encode_result, winning_record, write_outcome
+from taskonce.record import OutcomeWriter, decode_result, record_run, report_lost, undo_run
 from taskonce.relay import RelayThread
 from taskonce.session import close_session, open_session
 from taskonce.stores.base import ClaimOutcome, Record, Status, Store, TransactionalStore
@@ -118,8 +117,8 @@ class Guard:
         # the failed write's traceback can keep the Liveness alive past its guard.
         weakref.finalize(self, self._liveness.stop)
         self.send_limit = send_limit
-        #: how long whoever records sends holds them to publish them itself (RECORDER_HOLD)
-        self.recorder_hold = min(self.dispatch_lease, RECORDER_HOLD)
+        #: the dispatch lease whoever records sends takes, to publish them itself (RECORDER_LEASE)
+        self.recorder_lease = min(self.dispatch_lease, RECORDER_LEASE)
         self._relay = RelayThread()
 
     @property
@@ -232,11 +231,11 @@ class Guard:
                 key, owner, policy.lease, policy.keep_for, ticket.fingerprint, me
             )
             if claim.outcome is ClaimOutcome.CLAIMED:
-                self._hold(ticket, owner, Event.CLAIMED)
+                self._own_claim(ticket, owner, Event.CLAIMED)
                 return
             if claim.outcome is ClaimOutcome.TAKEN_OVER:
                 ticket.crashes = claim.crashes
-                self._hold(ticket, owner, Event.LEASE_TAKEN_OVER, reason="lease_expired")
+                self._own_claim(ticket, owner, Event.LEASE_TAKEN_OVER, reason="lease_expired")
                 return
             record = claim.record
             assert record is not None
@@ -252,7 +251,7 @@ class Guard:
             )
             if ticket.crashes:
                 logger.info("took over %s from %s (%s)", key, record.worker, verdict.reason)
-                self._hold(
+                self._own_claim(
                     ticket, owner, Event.LEASE_TAKEN_OVER, verdict.reason, verdict.recovery_s
                 )
                 return
@@ -262,7 +261,7 @@ class Guard:
             raise StoreUnavailable(f"claim of {key!r} kept changing hands; try again later")
         self._decide(ticket, record)
 
-    def _hold(
+    def _own_claim(
         self,
         ticket: Ticket,
         owner: str,
@@ -360,7 +359,7 @@ class Guard:
     def finish(self, ticket: Ticket, result: Any = None) -> None:
         """Record a successful run: complete the claim (eager) or write the mark (lazy); in
         transactional mode inside the handler's transaction, then commit. Then publish what
-        the handler sent.
+        the handler sent (:func:`taskonce.record.record_run`).
 
         Raises :class:`LeaseLost` when another delivery took the claim over meanwhile, and
         :class:`InvalidInput` (after recording the key as handled) when ``store_result`` is on
@@ -380,68 +379,11 @@ class Guard:
         if ticket.decision is not Decision.RUN or ticket.settled:
             return
         ticket.settled = True
-        self._stop_heartbeat(ticket)
-        sends = end_capture(ticket)
-        key = ticket.key
-        assert key is not None
-        encoded, encode_error = (
-            encode_result(result, ticket) if ticket.policy.store_result else (None, None)
-        )
-        # The sends' dispatch token: the claim's owner token (eager), a fresh one (lazy).
-        token = ticket.owner or (secrets.token_hex(16) if sends else "")
-        transactional = ticket.session is not None
-        recorded = rolled_back = False
-        try:
-            recorded = write_outcome(
-                self.store, ticket, encoded, sends, token, self.recorder_hold, self._emit
-            )
-        except LeaseLost:
-            if not ticket.lost:
-                ticket.lost = True
-                self._emit(Event.LEASE_LOST, ticket, duration=True)
-            raise
-        except BaseException as exc:
-            if transactional:
-                # Rolled back, nothing of this run stands: its commit refused on the handler's
-                # account (see above), the store failing, or taskonce failing. The claim is
-                # released below, once: the run must be able to run again.
-                rolled_back = True
-                if isinstance(exc, StoreUnavailable):
-                    self._emit(Event.STORE_ERROR, ticket, duration=True)
-                raise
-            if not isinstance(exc, Exception):
-                raise
-            self._emit(Event.STORE_ERROR, ticket, duration=True)
-            if sends:
-                # Its effects stand, its outcome unrecorded: its messages leave now, best
-                # effort (a redelivery that runs it again sends them under the same ids).
-                recorded = self.dispatcher.publish_all(key, sends) is not None
-                if recorded:
-                    self._emit(Event.SENDS_DISPATCHED, ticket, count=len(sends))
-            raise
-        finally:
-            close_session(ticket)
-            if sends and not recorded:
-                self._emit(Event.SENDS_DISCARDED, ticket, count=len(sends))
-            if rolled_back:
-                self._undo(ticket)
-        if transactional and not recorded:
-            # The mark met a live record (transaction rolled back): decide as a look-up would.
-            try:
-                record = winning_record(self.store, ticket, self._emit)
-            except StoreUnavailable:
-                self._undo(ticket)  # it cannot be decided: it must come again
-                raise
-            self._decide(ticket, record, rolled_back=True)
-            return
-        if sends:
-            self._emit(Event.SENDS_DEFERRED, ticket, count=len(sends))
-            if self.dispatcher.dispatch(
-                key, token, sends, lambda: self._emit(Event.STORE_ERROR, ticket)
-            ):
-                self._emit(Event.SENDS_DISPATCHED, ticket, count=len(sends))
-        if encode_error is not None:
-            raise encode_error
+        self._stop_renewal(ticket)
+        writer = OutcomeWriter(self.store, self.dispatcher, self.recorder_lease, self._emit)
+        met = record_run(writer, ticket, result)
+        if met is not None:  # the mark met a live record (transaction rolled back)
+            self._decide(ticket, met, rolled_back=True)
 
     def fail(self, ticket: Ticket, exc: BaseException | None = None) -> None:
         """Undo after the handler raised (including framework retries): roll back the
@@ -453,35 +395,12 @@ class Guard:
         if ticket.decision is not Decision.RUN or ticket.settled:
             return
         ticket.settled = True
-        self._stop_heartbeat(ticket)
+        self._stop_renewal(ticket)
         sends = end_capture(ticket)
         if sends:
             self._emit(Event.SENDS_DISCARDED, ticket, count=len(sends))
         close_session(ticket)
-        self._undo(ticket)
-
-    def _undo(self, ticket: Ticket) -> None:
-        """The run failed (or was rolled back): release its claim so a retry can claim the key
-        again, and note the failed delivery for its sender's receipt."""
-        self._release(ticket)
-        receipts.note_failure(self.store, ticket.key, ticket.policy.keep_for)
-
-    def _release(self, ticket: Ticket) -> None:
-        """Release an eager run's claim so that a retry can claim the key again."""
-        if ticket.policy.mode != "eager" or ticket.owner is None:
-            return
-        assert ticket.key is not None
-        try:
-            self.store.release(ticket.key, ticket.owner)
-        except LeaseLost:
-            if not ticket.lost:
-                ticket.lost = True
-                self._emit(Event.LEASE_LOST, ticket, duration=True)
-        except StoreUnavailable:
-            logger.warning("could not release %s; its lease will run out instead", ticket.key)
-            self._emit(Event.STORE_ERROR, ticket, duration=True)
-        else:
-            self._emit(Event.RELEASED, ticket, duration=True)
+        undo_run(self.store, ticket, self._emit)
 
     # -- plain Python entry points ---------------------------------------------------------
 
@@ -573,8 +492,7 @@ class Guard:
         except LeaseLost:
             if ticket.renewal is None:
                 return  # finish/fail ran meanwhile: the claim is complete, not lost
-            ticket.lost = True
-            self._emit(Event.LEASE_LOST, ticket, duration=True)
+            report_lost(ticket, self._emit)
             raise
         except StoreUnavailable:
             # Keep trying: the lease still has two thirds left when a renewal first fails.
@@ -582,7 +500,7 @@ class Guard:
             return
         self._emit(Event.LEASE_RENEWED, ticket)
 
-    def _stop_heartbeat(self, ticket: Ticket) -> None:
+    def _stop_renewal(self, ticket: Ticket) -> None:
         if ticket.renewal is not None:
             self._heartbeat.unwatch(ticket.renewal)
             ticket.renewal = None
@@ -620,7 +538,7 @@ __all__ = [
     "FIRST_RECHECK",
     "MIN_RETRY_AFTER",
     "OUTBOX_PREFIX",
-    "RECORDER_HOLD",
+    "RECORDER_LEASE",
     "Decision",
     "Delivery",
     "Guard",

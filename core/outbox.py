@@ -182,7 +182,7 @@ def write_row(
         verify=verify,
     )
     store.record_sends_in(
-        connection, row.key, (text,), row.token, guard.default.keep_for, guard.recorder_hold
+        connection, row.key, (text,), row.token, guard.default.keep_for, guard.recorder_lease
     )
     return row
 

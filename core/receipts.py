@@ -210,10 +210,10 @@ def _awaiting(waiting: Sequence[tuple[float, Entry]], given_up: Sequence[Entry])
     due = min(remaining for remaining, _ in waiting)
     for remaining, entry in waiting:
         entry.at = remaining - due
-    hold = max(entry.rest(remaining) for remaining, entry in waiting)
+    last_look = max(entry.rest(remaining) for remaining, entry in waiting)
     # A margin beyond the last look, so the record outlives it whatever the relay's delay.
     margin = max(entry.within for _, entry in waiting)
-    return Awaiting(encode([e for _, e in waiting] + list(given_up)), due, hold + margin)
+    return Awaiting(encode([e for _, e in waiting] + list(given_up)), due, last_look + margin)
 
 
 def look(dispatcher: Dispatcher, key: str) -> int:

@@ -1,23 +1,36 @@
-"""The outcome's one write: after a handler ran, :meth:`taskonce.Guard.finish` records it here.
+"""A run's outcome: after a handler ran, :meth:`taskonce.Guard.finish` records it here
+(:func:`record_run`), and :meth:`~taskonce.Guard.fail` undoes it (:func:`undo_run`).
 
 The writer is chosen once — the store, or (transactional mode) the store inside the handler's
 session, a :class:`~taskonce.stores.base.TransactionalStore` — then one write: complete the
 claim (eager) or write the mark (lazy), with the sends the handler made; a store blip is
-retried (:func:`final_write`); the transaction is committed after a mark that wrote.
+retried (:func:`final_write`); the transaction is committed after a mark that wrote. Then the
+sends are published (:mod:`taskonce.dispatch`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import secrets
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from taskonce import receipts
 from taskonce.errors import InvalidInput, LeaseLost, StoreUnavailable
 from taskonce.events import Event
+from taskonce.handoff import end_capture
+from taskonce.session import close_session
 from taskonce.stores.base import Record, Status, Store, TransactionalStore
 from taskonce.ticket import Ticket
+
+if TYPE_CHECKING:
+    from taskonce.dispatch import Dispatcher
+
+logger = logging.getLogger("taskonce")
 
 T = TypeVar("T")
 E = TypeVar("E", bound=BaseException)
@@ -45,21 +58,151 @@ def is_handlers_own(exc: BaseException) -> bool:
     return getattr(exc, _HANDLERS_OWN, False) is True
 
 
+@dataclasses.dataclass(frozen=True)
+class OutcomeWriter:
+    """What recording a run's outcome needs of its guard."""
+
+    store: Store
+    dispatcher: Dispatcher
+    #: seconds the recorder of sends holds their dispatch lease (``Guard.recorder_lease``)
+    recorder_lease: float
+    emit: Emit
+
+
+def record_run(writer: OutcomeWriter, ticket: Ticket, result: Any) -> Record | None:
+    """Record ``ticket``'s successful run (:meth:`taskonce.Guard.finish`), then publish what
+    its handler sent.
+
+    Returns None, or the live record a lazy transactional run's mark met: the run was rolled
+    back, and the guard decides what it was, as a look-up would. Raises :class:`LeaseLost`,
+    a commit's error (the run rolled back and its claim released), and :class:`InvalidInput`
+    (after recording) for a result ``store_result`` cannot keep.
+    """
+    sends = end_capture(ticket)
+    encoded, encode_error = (
+        encode_result(result, ticket) if ticket.policy.store_result else (None, None)
+    )
+    # The sends' dispatch token: the claim's owner token (eager), a fresh one (lazy).
+    token = ticket.owner or (secrets.token_hex(16) if sends else "")
+    transactional = ticket.session is not None
+    recorded = _write(writer, ticket, encoded, sends, token)
+    if transactional and not recorded:
+        try:
+            return winning_record(writer.store, ticket, writer.emit)
+        except StoreUnavailable:
+            undo_run(writer.store, ticket, writer.emit)  # it cannot be decided: it must come again
+            raise
+    if sends:
+        _dispatch(writer, ticket, token, sends)
+    if encode_error is not None:
+        raise encode_error
+    return None
+
+
+def _write(
+    writer: OutcomeWriter,
+    ticket: Ticket,
+    encoded: str | None,
+    sends: tuple[str, ...],
+    token: str,
+) -> bool:
+    """:func:`write_outcome`, and what its failure leaves: the session closed, unpublished
+    sends reported discarded, a rolled-back run's claim released."""
+    emit = writer.emit
+    recorded = rolled_back = False
+    try:
+        recorded = write_outcome(writer, ticket, encoded, sends, token)
+    except LeaseLost:
+        report_lost(ticket, emit)
+        raise
+    except BaseException as exc:
+        if ticket.session is not None:
+            # Rolled back, nothing of this run stands: its commit refused on the handler's
+            # account (Guard.finish), the store failing, or taskonce failing. The claim is
+            # released below, once: the run must be able to run again.
+            rolled_back = True
+            if isinstance(exc, StoreUnavailable):
+                emit(Event.STORE_ERROR, ticket, duration=True)
+            raise
+        if not isinstance(exc, Exception):
+            raise
+        emit(Event.STORE_ERROR, ticket, duration=True)
+        # Its effects stand, its outcome unrecorded: its messages leave now, best effort (a
+        # redelivery that runs it again sends them under the same ids).
+        recorded = bool(sends) and _publish_unrecorded(writer, ticket, sends)
+        raise
+    finally:
+        close_session(ticket)
+        if sends and not recorded:
+            emit(Event.SENDS_DISCARDED, ticket, count=len(sends))
+        if rolled_back:
+            undo_run(writer.store, ticket, emit)
+    return recorded
+
+
+def _publish_unrecorded(writer: OutcomeWriter, ticket: Ticket, sends: tuple[str, ...]) -> bool:
+    assert ticket.key is not None
+    if writer.dispatcher.publish_all(ticket.key, sends) is None:
+        return False
+    writer.emit(Event.SENDS_DISPATCHED, ticket, count=len(sends))
+    return True
+
+
+def _dispatch(writer: OutcomeWriter, ticket: Ticket, token: str, sends: tuple[str, ...]) -> None:
+    assert ticket.key is not None
+    emit = writer.emit
+    emit(Event.SENDS_DEFERRED, ticket, count=len(sends))
+    if writer.dispatcher.dispatch(
+        ticket.key, token, sends, lambda: emit(Event.STORE_ERROR, ticket)
+    ):
+        emit(Event.SENDS_DISPATCHED, ticket, count=len(sends))
+
+
+def undo_run(store: Store, ticket: Ticket, emit: Emit) -> None:
+    """The run failed (or was rolled back): release its claim so a retry can claim the key
+    again, and note the failed delivery for its sender's receipt."""
+    release_claim(store, ticket, emit)
+    receipts.note_failure(store, ticket.key, ticket.policy.keep_for)
+
+
+def release_claim(store: Store, ticket: Ticket, emit: Emit) -> None:
+    """Release an eager run's claim so that a retry can claim the key again."""
+    if ticket.policy.mode != "eager" or ticket.owner is None:
+        return
+    assert ticket.key is not None
+    try:
+        store.release(ticket.key, ticket.owner)
+    except LeaseLost:
+        report_lost(ticket, emit)
+    except StoreUnavailable:
+        logger.warning("could not release %s; its lease will run out instead", ticket.key)
+        emit(Event.STORE_ERROR, ticket, duration=True)
+    else:
+        emit(Event.RELEASED, ticket, duration=True)
+
+
+def report_lost(ticket: Ticket, emit: Emit) -> None:
+    """Another delivery took ``ticket``'s claim over: say so once (``lease_lost``)."""
+    if not ticket.lost:
+        ticket.lost = True
+        emit(Event.LEASE_LOST, ticket, duration=True)
+
+
 def write_outcome(
-    store: Store,
+    writer: OutcomeWriter,
     ticket: Ticket,
     result: str | None,
     sends: tuple[str, ...],
     token: str,
-    hold: float,
-    emit: Emit,
 ) -> bool:
     """Complete the claim (eager) or write the mark (lazy) of ``ticket``, with ``sends``
-    pending under the dispatch ``token`` (held ``hold`` seconds), through ``store`` or
-    (transactional) the handler's session, then commit. True when it recorded the outcome;
-    False when a lazy mark met a live record (a concurrent duplicate; transactional: this
-    run's transaction is then rolled back, and the guard decides what it was)."""
+    pending under the dispatch ``token`` (its lease held ``writer.recorder_lease`` seconds),
+    through the store or (transactional) the handler's session, then commit. True when it
+    recorded the outcome; False when a lazy mark met a live record (a concurrent duplicate;
+    transactional: this run's transaction is then rolled back, and the guard decides what it
+    was)."""
     assert ticket.key is not None
+    store, emit, lease = writer.store, writer.emit, writer.recorder_lease
     key, policy, session = ticket.key, ticket.policy, ticket.session
     complete: Callable[..., None] = store.complete
     mark: Callable[..., bool] = store.mark
@@ -69,12 +212,12 @@ def write_outcome(
     if policy.mode == "eager":
         assert ticket.owner is not None
         # A task that sends nothing calls exactly what it did before the hand-off.
-        more: tuple[Any, ...] = (sends, hold) if sends else ()
+        more: tuple[Any, ...] = (sends, lease) if sends else ()
         args = (key, ticket.owner, policy.keep_for, result, *more)
         final_write(store, ticket, lambda: complete(*args))
         wrote = True
     else:
-        more = (sends, token, hold) if sends else ()
+        more = (sends, token, lease) if sends else ()
         args = (key, policy.keep_for, ticket.fingerprint, result, *more)
         wrote = bool(final_write(store, ticket, lambda: mark(*args)))
     if session is not None and wrote:

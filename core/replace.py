@@ -8,7 +8,7 @@ handed over in four steps:
 
 1. :func:`hand_over` ends the run's capture and records its sends as a record of their own,
    ``replaced:<depth>:<key>`` (:func:`record_key`), written with the store's ``mark`` with the
-   sends pending under a fresh dispatch token that holds them ``Guard.recorder_hold`` seconds;
+   sends pending under a fresh dispatch token whose lease lasts ``Guard.recorder_lease`` seconds;
 2. it releases the run's claim (eager mode), so the replacement can claim the key;
 3. the adapter publishes the replacement;
 4. :func:`dispatch` publishes the recorded sends, in order, and marks them dispatched; when the
@@ -99,7 +99,7 @@ def hand_over(guard: Guard, ticket: Ticket) -> Handover | None:
     handover = Handover(ticket, key, texts)
     try:
         if guard.store.mark(
-            key, ticket.policy.keep_for, None, None, texts, token, guard.recorder_hold
+            key, ticket.policy.keep_for, None, None, texts, token, guard.recorder_lease
         ):
             handover = Handover(ticket, key, texts, token=token)
             emit_event(guard.sinks, Event.SENDS_DEFERRED, ticket, count=len(texts))

@@ -381,7 +381,7 @@ class IdempotencyMiddleware(Middleware):
         ):
             # Pipelines', Callbacks' and GroupCallbacks' after_* hooks run after this one: their
             # sends belong to this outcome, so the finisher (last to run) records it.
-            self.finishing.hold(message, ticket)
+            self.finishing.put(message, ticket)
             return
         self.settle(broker, message, ticket, result, exception)
 
@@ -407,9 +407,9 @@ class IdempotencyMiddleware(Middleware):
 
     # -- the rows of the table (DRAMATIQ, below the class) ---------------------------------
 
-    def _hold(self, broker: Broker, message: MessageProxy, action: Action) -> None:
+    def _keep_ticket(self, broker: Broker, message: MessageProxy, action: Action) -> None:
         assert action.ticket is not None
-        self.tickets.hold(message, action.ticket)
+        self.tickets.put(message, action.ticket)
 
     def _as_is(self, broker: Broker, message: MessageProxy, action: Action) -> None:
         """Nothing to do: the actor runs (unguarded), or the outcome is recorded."""
@@ -513,7 +513,7 @@ class IdempotencyMiddleware(Middleware):
 #: or the finisher). The skips raise a ``SkipMessage``: the actor does not run, no retry counted.
 _Row = Callable[["IdempotencyMiddleware", "Broker", "MessageProxy", Action], None]
 DRAMATIQ: dict[Do, tuple[_Row, _Row]] = {
-    Do.RUN: (IdempotencyMiddleware._hold, IdempotencyMiddleware._as_is),
+    Do.RUN: (IdempotencyMiddleware._keep_ticket, IdempotencyMiddleware._as_is),
     Do.RUN_UNGUARDED: (IdempotencyMiddleware._as_is, IdempotencyMiddleware._as_is),
     Do.ACK: (IdempotencyMiddleware._as_is, IdempotencyMiddleware._as_is),
     Do.SKIP: (IdempotencyMiddleware._skip, IdempotencyMiddleware._skip),  # DuplicateSkipped

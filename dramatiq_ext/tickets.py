@@ -28,7 +28,7 @@ class TicketBook:
         self._lock = threading.Lock()
         self._held: dict[int, tuple[MessageProxy, Ticket]] = {}
 
-    def hold(self, message: MessageProxy, ticket: Ticket) -> None:
+    def put(self, message: MessageProxy, ticket: Ticket) -> None:
         """Remember that this middleware began ``ticket`` for ``message``."""
         with self._lock:
             self._held[id(message)] = (message, ticket)

@@ -72,7 +72,7 @@ def test_a_rerun_that_replaces_again_finds_the_record_and_publishes_it_once() ->
     """The worker died after the record, before the replacement: the message runs again,
     sends the same messages (same ids) and replaces again; the first record stands."""
     guard, events, broker = make_guard(taskonce.open_store("memory://"))
-    guard.recorder_hold = 0.0  # the dead recorder's hold has run out by the re-run
+    guard.recorder_lease = 0.0  # the dead recorder's lease has run out by the re-run
     first = begin(guard)
     ids = send_two(first)
     assert replace.hand_over(guard, first) is not None  # ...and the worker dies here

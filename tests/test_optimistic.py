@@ -221,7 +221,7 @@ def test_a_rolled_back_duplicate_publishes_the_first_runs_pending_sends(
         published.append(send)
 
     guard.register_publisher("python", publish)
-    guard.recorder_hold = 0.0  # a redelivery may take the sends at once
+    guard.recorder_lease = 0.0  # a redelivery may take the sends at once
 
     def handler() -> None:
         write(effects, "m1", "")

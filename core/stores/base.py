@@ -154,13 +154,13 @@ class Awaiting:
     :param due: seconds from now (store clock) until the relay should look at them; None when
         none is awaited any more (only given-up ones are kept, for ``taskonce inspect``): the
         record leaves the receipts index.
-    :param hold: keep the record at least this many seconds from now (a record whose expiry
+    :param keep_at_least: keep the record at least this many seconds from now (a record whose expiry
         is later keeps it).
     """
 
     entries: str
     due: float | None
-    hold: float
+    keep_at_least: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +327,7 @@ class StoreSends(abc.ABC):
 
         With ``awaiting``, in the same atomic write, the record keeps those entries and joins
         the receipts index, due ``awaiting.due`` seconds from now, its dispatch lease let go,
-        and is kept at least ``awaiting.hold`` seconds (:class:`StoreReceipts`)."""
+        and is kept at least ``awaiting.keep_at_least`` seconds (:class:`StoreReceipts`)."""
 
     @abc.abstractmethod
     def pending_sends(self, older_than: float = 0.0, limit: int = 100) -> list[str]:
@@ -353,7 +353,7 @@ class StoreReceipts(abc.ABC):
     def settle_receipts(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
         """Write back what still awaits (fenced by ``token``): ``awaiting``'s entries, due
         ``awaiting.due`` seconds from now (or out of the index when None), the lease let go,
-        the record kept at least ``awaiting.hold`` seconds; None clears them (every receipt
+        the record kept at least ``awaiting.keep_at_least`` seconds; None clears them (every receipt
         came). True when written."""
 
     @abc.abstractmethod

@@ -392,7 +392,7 @@ def _await(entry: _Entry, awaiting: Awaiting | None, now: float) -> None:
         return
     entry.receipts = awaiting.entries
     entry.receipts_due = None if awaiting.due is None else now + awaiting.due
-    entry.expires_at = max(entry.expires_at, now + awaiting.hold)
+    entry.expires_at = max(entry.expires_at, now + awaiting.keep_at_least)
 
 
 def _record_sends(

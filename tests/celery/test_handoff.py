@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from celery import chain
 
-from taskonce.guard import RECORDER_HOLD
+from taskonce.guard import RECORDER_LEASE
 from taskonce.handoff import derive_id
 from tests.celery.conftest import Stack, Table, start_stack, stop_stack
 from tests.helpers import wait_for
@@ -184,10 +184,10 @@ def test_early_ack_task_killed_after_the_record_relay_dispatches(
     stack.send("t.early_sender", (runs.name, "early", "early-child"), "eager", task_id=parent_id)
 
     wait_for(lambda: stack.count(parent_id, "sends_deferred") == 1, timeout=30, what="record")
-    # The dead recorder's hold runs out (RECORDER_HOLD), then older_than = every: the sweep
+    # The dead recorder's lease runs out (RECORDER_LEASE), then older_than = every: the sweep
     # after the next one at the latest picks it up.
     settle(
-        stack, runs, {"early": 1, "early-child": 1}, timeout=RECORDER_HOLD + 3 * RELAY_EVERY + 30
+        stack, runs, {"early": 1, "early-child": 1}, timeout=RECORDER_LEASE + 3 * RELAY_EVERY + 30
     )
     names = [e["event"] for e in stack.events(parent_id)]
     assert "sends_dispatched" not in names  # not the killed process: the relay

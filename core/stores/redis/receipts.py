@@ -156,7 +156,7 @@ def _settle(
     args: tuple[Any, ...] = (kinds, safe(token), names.index_of(key), names.receipts_of(key), key)
     if awaiting is not None:
         due = "" if awaiting.due is None else ms(max(0.0, awaiting.due))
-        args = (*args, awaiting.entries, due, ms(max(0.0, awaiting.hold)))
+        args = (*args, awaiting.entries, due, ms(max(0.0, awaiting.keep_at_least)))
     return bool(int(store._run(operation, store._scripts.settle, key, args)))
 
 

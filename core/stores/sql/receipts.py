@@ -34,7 +34,7 @@ def awaiting_params(awaiting: Awaiting) -> dict[str, Any]:
     return {
         "p_entries": awaiting.entries,
         "p_due": None if awaiting.due is None else float(awaiting.due),
-        "p_hold": float(awaiting.hold),
+        "p_hold": float(awaiting.keep_at_least),
     }
 
 
