@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import taskonce
-from taskonce.cli import duration_in_words, main
+from taskonce.cli import main
+from taskonce.cli.output import duration_in_words
 from tests.helpers import (
     POSTGRES_URL,
     REDIS_URL,
@@ -490,11 +491,11 @@ def test_an_unexpected_error_exits_70_and_ctrl_c_130(
     def interrupted(args: object, out: object) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(taskonce.cli, "_cmd_stats", broken)
+    monkeypatch.setattr(taskonce.cli.stats, "run", broken)
     assert run("stats", "--store", "memory://")[0] == 70
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and err.endswith("RuntimeError: a bug\n")
-    monkeypatch.setattr(taskonce.cli, "_cmd_stats", interrupted)
+    monkeypatch.setattr(taskonce.cli.stats, "run", interrupted)
     assert run("stats", "--store", "memory://")[0] == 130
     assert capsys.readouterr().err == "taskonce: interrupted\n"
 
@@ -508,7 +509,7 @@ def test_bench_is_hidden_and_says_so_outside_a_source_checkout(
         main(["--help"])
     assert re.search(r"^    bench ", capsys.readouterr().out, re.M)  # in this checkout
     missing = tmp_path / "bench" / "store_ops.py"
-    monkeypatch.setattr(taskonce.cli, "_bench_script", lambda: missing)
+    monkeypatch.setattr(taskonce.cli.bench, "script", lambda: missing)
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "bench" not in capsys.readouterr().out
@@ -533,7 +534,7 @@ def test_a_missing_optional_module_names_its_extra(
     def missing(*_: object) -> int:
         raise ModuleNotFoundError("No module named 'sqlalchemy'", name="sqlalchemy")
 
-    monkeypatch.setattr(cli_module, "_cmd_stats", missing)
+    monkeypatch.setattr(cli_module.stats, "run", missing)
     assert cli_module.main(["stats", "--store", "memory://"]) == 2
     err = capsys.readouterr().err
     assert err == (

@@ -310,7 +310,7 @@ def test_inspect_and_stats_show_awaited_and_unconfirmed_sends(
 ) -> None:
     guard, _, _ = setup(memory)
     child = send_one(guard)
-    monkeypatch.setattr("taskonce.cli.open_store", lambda url: memory)
+    monkeypatch.setattr("taskonce.cli.store.open_store", lambda url: memory)
     monkeypatch.setattr(memory, "close", lambda: None)
     assert cli_main(["--store", "memory://", "inspect", "q:m1"]) == 0
     out = capsys.readouterr().out
