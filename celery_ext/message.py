@@ -116,84 +116,71 @@ class CapturingProducer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._producer, name)
 
-    def publish(
-        self,
-        body: Any,
-        routing_key: str | None = None,
-        delivery_mode: Any = None,
-        mandatory: bool = False,
-        immediate: bool = False,
-        priority: int = 0,
-        content_type: str | None = None,
-        content_encoding: str | None = None,
-        serializer: str | None = None,
-        headers: dict[str, Any] | None = None,
-        compression: str | None = None,
-        exchange: Any = None,
-        retry: bool = False,
-        retry_policy: Mapping[str, Any] | None = None,
-        declare: Sequence[Any] | None = None,
-        expiration: float | None = None,
-        timeout: float | None = None,
-        confirm_timeout: float | None = None,
-        **properties: Any,
-    ) -> None:
-        """Keep the message instead of publishing it (see the class)."""
-        real = self._producer
+    def publish(self, body: Any, *args: Any, **options: Any) -> None:
+        """Keep the first message instead of publishing it; publish any after it (see the
+        class). The arguments are kombu's ``Producer.publish``'s."""
         if self.message is not None:
-            real.publish(
-                body,
-                routing_key=routing_key,
-                delivery_mode=delivery_mode,
-                mandatory=mandatory,
-                immediate=immediate,
-                priority=priority,
-                content_type=content_type,
-                content_encoding=content_encoding,
-                serializer=serializer,
-                headers=headers,
-                compression=compression,
-                exchange=exchange,
-                retry=retry,
-                retry_policy=retry_policy,
-                declare=declare,
-                expiration=expiration,
-                timeout=timeout,
-                confirm_timeout=confirm_timeout,
-                **properties,
-            )
+            self._producer.publish(body, *args, **options)
             return
-        headers = dict(headers or {})
-        routing_key = real.routing_key if routing_key is None else routing_key
-        compression = real.compression if compression is None else compression
-        exchange_name, mode = real._delivery_details(exchange or real.exchange, delivery_mode)
-        data, content_type, content_encoding = real._prepare(
-            body, serializer, content_type, content_encoding, compression, headers
-        )
-        # kombu hands a text body (JSON, yaml) to the channel encoded in its content encoding
-        raw = data.encode(content_encoding or "utf-8") if isinstance(data, str) else bytes(data)
-        self.size = len(raw)
-        self.message = {
-            "body": base64.b64encode(raw).decode("ascii"),
-            "content_type": content_type,
-            "content_encoding": content_encoding,
-            "headers": _tagged(headers),
-            "properties": _tagged(properties),
-            "exchange": exchange_name,
-            "routing_key": routing_key,
-            "delivery_mode": mode,
-            "priority": priority,
-            "expiration": expiration,
-            "declare": [_queue_spec(q) for q in declare or () if isinstance(q, Queue)],
-            "retry": bool(retry),
-            "retry_policy": {
-                k: v
-                for k, v in (retry_policy or {}).items()
-                if v is None or isinstance(v, (int, float, str))
-            },
-            "timeout": timeout,
-            "confirm_timeout": confirm_timeout,
-        }
+        self.message, self.size = _encoded(self._producer, body, *args, **options)
+
+
+def _encoded(
+    real: Any,
+    body: Any,
+    routing_key: str | None = None,
+    delivery_mode: Any = None,
+    mandatory: bool = False,
+    immediate: bool = False,
+    priority: int = 0,
+    content_type: str | None = None,
+    content_encoding: str | None = None,
+    serializer: str | None = None,
+    headers: dict[str, Any] | None = None,
+    compression: str | None = None,
+    exchange: Any = None,
+    retry: bool = False,
+    retry_policy: Mapping[str, Any] | None = None,
+    declare: Sequence[Any] | None = None,
+    expiration: float | None = None,
+    timeout: float | None = None,
+    confirm_timeout: float | None = None,
+    **properties: Any,
+) -> tuple[dict[str, Any], int]:
+    """The message kombu's producer ``real`` would publish for ``Producer.publish``'s arguments
+    (JSON-safe, for :func:`publish_stored`), and its body's size in bytes as kombu encoded it
+    (what ``send_limit`` counts)."""
+    headers = dict(headers or {})
+    routing_key = real.routing_key if routing_key is None else routing_key
+    compression = real.compression if compression is None else compression
+    exchange_name, mode = real._delivery_details(exchange or real.exchange, delivery_mode)
+    data, content_type, content_encoding = real._prepare(
+        body, serializer, content_type, content_encoding, compression, headers
+    )
+    # kombu hands a text body (JSON, yaml) to the channel encoded in its content encoding
+    raw = data.encode(content_encoding or "utf-8") if isinstance(data, str) else bytes(data)
+    message = {
+        "body": base64.b64encode(raw).decode("ascii"),
+        "content_type": content_type,
+        "content_encoding": content_encoding,
+        "headers": _tagged(headers),
+        "properties": _tagged(properties),
+        "exchange": exchange_name,
+        "routing_key": routing_key,
+        "delivery_mode": mode,
+        "priority": priority,
+        "expiration": expiration,
+        "declare": [_queue_spec(q) for q in declare or () if isinstance(q, Queue)],
+        "retry": bool(retry),
+        "retry_policy": {
+            k: v
+            for k, v in (retry_policy or {}).items()
+            if v is None or isinstance(v, (int, float, str))
+        },
+        "timeout": timeout,
+        "confirm_timeout": confirm_timeout,
+    }
+    return message, len(raw)
 
 
 def _tagged(value: Any) -> Any:

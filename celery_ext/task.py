@@ -22,7 +22,6 @@ from celery import Task
 from celery.exceptions import Ignore
 from celery.utils.time import get_exponential_backoff_interval
 
-from taskonce import handoff
 from taskonce.action import Action, Do, after, before
 from taskonce.celery_ext import handoff as celery_handoff
 from taskonce.celery_ext import request as request_info
@@ -498,20 +497,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def delay_on_commit(self, *args: Any, **kwargs: Any) -> None:
         """Celery 5.4's Django ``delay_on_commit``: :meth:`delay` once the database
-        transaction commits. Where taskonce already holds the sends until a commit — inside a
-        guarded handler (the hand-off publishes them after its record) or a
-        ``send_on_commit()`` block (an outbox row in the transaction) — it is :meth:`delay`,
-        captured like any other send; elsewhere Django's ``transaction.on_commit``."""
+        transaction commits; inside a guarded handler or a ``send_on_commit()`` block, which
+        hold the sends until a commit already, at once
+        (:func:`taskonce.django_ext.on_commit.publish_on_commit`)."""
         self.apply_async_on_commit(args, kwargs)
 
     def apply_async_on_commit(self, *args: Any, **kwargs: Any) -> None:
         """Celery 5.4's Django ``apply_async_on_commit``, as :meth:`delay_on_commit`."""
-        if handoff.current() is not None:
-            self.apply_async(*args, **kwargs)
-            return
-        from django.db import transaction
+        from taskonce.django_ext.on_commit import publish_on_commit
 
-        transaction.on_commit(functools.partial(self.apply_async, *args, **kwargs))
+        publish_on_commit(self.apply_async, *args, **kwargs)
 
     def _release_active(self) -> None:
         active = _ACTIVE.get()
