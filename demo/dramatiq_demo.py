@@ -163,12 +163,7 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
         _publish(publisher, plan, out)
         events = _demo.Events(plan.workdir / "events.jsonl")
         _watch(plan, workers, events, deadline, out)
-        if not any(w.poll() is None for w in workers):
-            out.write("  the workers stopped unexpectedly:\n")
-            _tail_logs(plan, out)
-        for worker in workers:
-            _demo.stop(worker)
-        workers = []
+        _stop_workers(plan, workers, out)
         counts = events.update()
         tally = _demo.tally(plan, counts)
         ok = tally.rows == count and tally.balance == tally.expected
@@ -178,6 +173,17 @@ def run_demo(*, store: str | None, broker: str | None, count: int, out: TextIO) 
         return 130
     finally:
         _clean_up(plan, workers, publisher, embedded, temporary_store=store is None, ok=ok)
+
+
+def _stop_workers(plan: _demo.Plan, workers: list[subprocess.Popen[bytes]], out: TextIO) -> None:
+    """Stop the workers (emptying ``workers``), after showing their logs' tails if they had
+    stopped on their own."""
+    if not any(w.poll() is None for w in workers):
+        out.write("  the workers stopped unexpectedly:\n")
+        _tail_logs(plan, out)
+    for worker in workers:
+        _demo.stop(worker)
+    workers.clear()
 
 
 def _check_arguments(broker: str | None, count: int) -> str:

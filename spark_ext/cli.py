@@ -327,32 +327,28 @@ def _jdbc(args: argparse.Namespace) -> tuple[JdbcSource | None, list[str]]:
     return source, jars
 
 
-def run(args: argparse.Namespace, out: TextIO) -> int:
-    """Run ``taskonce audit``; returns the exit code."""
-    from taskonce.spark_ext.audit import audit
-    from taskonce.spark_ext.progress import ConsoleProgress
-
-    source, jars = _jdbc(args)
-    if not args.events and source is None:
-        raise ConfigError("taskonce audit: give event log paths (EVENTS) or --jdbc-url/--table")
+def _conf(args: argparse.Namespace) -> dict[str, str]:
+    """``--conf KEY=VALUE`` options as Spark settings."""
     conf: dict[str, str] = {}
     for item in args.conf:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"--conf wants KEY=VALUE, not {item!r}")
         conf[key.strip()] = value.strip()
-    bounds: dict[str, float] = {}
-    for name, seconds in args.broker_bound:
-        bounds[name] = max(seconds, bounds.get(name, 0.0))
-    sizes = dict(args.bytes_per_key) or None
-    check_inputs(args)
+    return conf
+
+
+def _start_spark(
+    args: argparse.Namespace, jars: list[str], conf: dict[str, str]
+) -> tuple[Any, bool]:
+    """The Spark session, and whether the audit owns it (stops it when done): inside a
+    running Spark application (a notebook, a test) it uses that application's session."""
     try:
         _import_pyspark()
     except ImportError as exc:
         raise ConfigError(f"taskonce audit: {exc}") from None
     from pyspark.sql import SparkSession
 
-    # inside a running Spark application (a notebook, a test) use its session and keep it
     owned = SparkSession.getActiveSession() is None
     verbose = bool(getattr(args, "verbose", False))
     log_config = log_to_file(args.out) if owned and not verbose else None
@@ -365,6 +361,24 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     finally:
         if log_config is not None:
             os.unlink(log_config)  # log4j2 read it when the JVM started
+    return spark, owned
+
+
+def run(args: argparse.Namespace, out: TextIO) -> int:
+    """Run ``taskonce audit``; returns the exit code."""
+    from taskonce.spark_ext.audit import audit
+    from taskonce.spark_ext.progress import ConsoleProgress
+
+    source, jars = _jdbc(args)
+    if not args.events and source is None:
+        raise ConfigError("taskonce audit: give event log paths (EVENTS) or --jdbc-url/--table")
+    conf = _conf(args)
+    bounds: dict[str, float] = {}
+    for name, seconds in args.broker_bound:
+        bounds[name] = max(seconds, bounds.get(name, 0.0))
+    sizes = dict(args.bytes_per_key) or None
+    check_inputs(args)
+    spark, owned = _start_spark(args, jars, conf)
     progress = None if args.no_progress else ConsoleProgress(spark.sparkContext)
     try:
         result = audit(
@@ -387,6 +401,12 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             progress.close()
         if owned:
             spark.stop()
+    return _answer(args, result, out)
+
+
+def _answer(args: argparse.Namespace, result: Any, out: TextIO) -> int:
+    """Print the result (``--json``: the report); with ``--fail-on-leak`` a problem is a
+    non-zero exit, named on stderr."""
     problems = result.problems()
     if getattr(args, "json", False):
         out.write(json.dumps(result.report, sort_keys=False) + "\n")

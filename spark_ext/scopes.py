@@ -103,28 +103,32 @@ def roll_up(
                 }
                 continue
             for field, (how, _) in aggregates.items():
-                mine, theirs = entry[field], values[field]
-                if how == "latest":
-                    at = values[f"{field}@"]
-                    if at is not None and (
-                        entry[f"{field}@"] is None
-                        or (at, theirs) > (entry[f"{field}@"], entry[field])
-                    ):
-                        entry[field], entry[f"{field}@"] = theirs, at
-                elif theirs is None:
-                    continue
-                elif mine is None:
-                    entry[field] = theirs
-                elif how == "sum":
-                    entry[field] = mine + theirs
-                elif how == "min":
-                    entry[field] = min(mine, theirs)
-                else:
-                    entry[field] = max(mine, theirs)
+                _combine(entry, values, field, how)
     return [
         (scope, name, {field: entry[field] for field in aggregates})
         for (scope, name), entry in scopes.items()
     ]
+
+
+def _combine(entry: dict[str, Any], values: dict[str, Any], field: str, how: str) -> None:
+    """Fold one row's ``values`` of aggregate ``field`` into its scope's ``entry``."""
+    mine, theirs = entry[field], values[field]
+    if how == "latest":
+        at = values[f"{field}@"]
+        if at is not None and (
+            entry[f"{field}@"] is None or (at, theirs) > (entry[f"{field}@"], entry[field])
+        ):
+            entry[field], entry[f"{field}@"] = theirs, at
+    elif theirs is None:
+        return
+    elif mine is None:
+        entry[field] = theirs
+    elif how == "sum":
+        entry[field] = mine + theirs
+    elif how == "min":
+        entry[field] = min(mine, theirs)
+    else:
+        entry[field] = max(mine, theirs)
 
 
 def timeline_bucket(span_s: float) -> int:
