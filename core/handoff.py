@@ -140,7 +140,8 @@ class Capture:
 
     :param parent_key: the guarded delivery's key (child ids derive from it).
     :param task: the handler's task/actor name, for error messages.
-    :param limit: the most bytes of JSON this handler may capture.
+    :param limit: the most bytes of messages this handler may capture (as their framework
+        encoded them, see :meth:`add`).
     :param within: the handler's ``Policy.confirm_within``, given to each send.
     """
 
