@@ -29,9 +29,10 @@ def lease_beyond(time_limit: float) -> float:
 
 def reject(reason: BaseException, requeue: bool) -> Reject:
     """A ``Reject`` whose reason crosses process boundaries: the prefork pool pickles it back to
-    the worker's main process, and taskonce's errors with several constructor arguments
-    (``PayloadMismatch``, ``LeaseLost``, ``InProgressElsewhere``) do not unpickle — the main
-    process would stop with an unrecoverable error. So the reason is carried as text."""
+    the worker's main process, which stops with an unrecoverable error on a reason that does
+    not unpickle. taskonce's own errors do (each has its ``__reduce__``), but a publish error
+    from a broker's client need not (a constructor with arguments of its own), so the reason
+    is carried as text, the same whatever raised it."""
     return Reject(f"{type(reason).__name__}: {reason}", requeue=requeue)
 
 
