@@ -105,6 +105,8 @@ class Guard:
             if not isinstance(sink, EventSink):
                 raise ConfigError(f"Guard(events=…): {sink!r} has no emit(event) method")
             self.sinks.append(sink)
+        #: ``_emit(event, ticket, **fields)``: the event of a delivery, to the sinks
+        self._emit = partial(emit_event, self.sinks)
         self.policies.check_all()
         #: publishes recorded sends (:mod:`taskonce.dispatch`)
         self.dispatcher = Dispatcher(store, self.sinks, dispatch_lease, self.default.keep_for)
@@ -504,17 +506,6 @@ class Guard:
         if ticket.renewal is not None:
             self._heartbeat.unwatch(ticket.renewal)
             ticket.renewal = None
-
-    def _emit(
-        self,
-        name: Event,
-        ticket: Ticket,
-        duration: bool = False,
-        reason: str | None = None,
-        recovery_s: float | None = None,
-        count: int | None = None,
-    ) -> None:
-        emit_event(self.sinks, name, ticket, duration, reason, recovery_s, count)
 
 
 def _check_supports(store: Store, policy: Policy) -> None:

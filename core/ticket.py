@@ -167,16 +167,8 @@ def ticket_event(
     }
 
 
-def emit_event(
-    sinks: Sinks,
-    name: Event,
-    ticket: Ticket,
-    duration: bool = False,
-    reason: str | None = None,
-    recovery_s: float | None = None,
-    count: int | None = None,
-) -> None:
-    """Send ``ticket``'s event ``name`` (:func:`ticket_event`) to ``sinks``."""
+def emit_event(sinks: Sinks, name: Event, ticket: Ticket, **fields: Any) -> None:
+    """Send ``ticket``'s event ``name`` (:func:`ticket_event`, with ``fields``) to ``sinks``."""
     # Runs several times per delivery: skip the work when nobody would see the event.
     if not sinks.quiet(name):
-        sinks.send(ticket_event(name, ticket, duration, reason, recovery_s, count))
+        sinks.send(ticket_event(name, ticket, **fields))
