@@ -25,7 +25,6 @@ from taskonce.dispatch import RECORDER_LEASE, Dispatcher
 from taskonce.errors import (
     ConfigError,
     InProgressElsewhere,
-    LeaseLost,
     PayloadMismatch,
     StoreUnavailable,
 )
@@ -37,7 +36,7 @@ from taskonce.handoff import (
     end_capture,
     start_capture,
 )
-from taskonce.heartbeat import Heartbeat
+from taskonce.heartbeat import Renewals
 from taskonce.keys import make_key, owner_token, payload_fingerprint
 from taskonce.outage import START_TIMEOUT, StoreHealth, store_probe, wait_for_store
 from taskonce.outbox import (
@@ -49,7 +48,7 @@ from taskonce.outbox import (
     publishing_guards,
 )
 from taskonce.policy import Policies, Policy
-from taskonce.record import OutcomeWriter, decode_result, record_run, report_lost, undo_run
+from taskonce.record import OutcomeWriter, decode_result, record_run, undo_run
 from taskonce.relay import RelayThread
 from taskonce.session import close_session, open_session
 from taskonce.stores.base import ClaimOutcome, Record, Status, Store, TransactionalStore
@@ -110,7 +109,8 @@ class Guard:
         self.policies.check_all()
         #: publishes recorded sends (:mod:`taskonce.dispatch`)
         self.dispatcher = Dispatcher(store, self.sinks, dispatch_lease, self.default.keep_for)
-        self._heartbeat = Heartbeat()
+        #: keeps running claims' leases renewed (:class:`~taskonce.heartbeat.Renewals`)
+        self._renewals = Renewals(store, self._emit)
         identity()  # a bad TASKONCE_WORKER_ID is a ConfigError now, not at the first claim
         #: the store's reachability, logged once per change (:class:`~taskonce.outage.StoreHealth`)
         self.health = StoreHealth(store.describe())
@@ -275,7 +275,7 @@ class Guard:
         ticket.owner = owner
         quarantine.check(self.store, ticket, owner, self._emit, reason)  # past crash_limit: raises
         self._emit(event, ticket, reason=reason, recovery_s=recovery_s)
-        ticket.renewal = self._heartbeat.watch(ticket.policy.lease, lambda: self._renew(ticket))
+        self._renewals.start(ticket)
 
     def _begin_lazy(self, ticket: Ticket) -> None:
         assert ticket.key is not None
@@ -381,7 +381,7 @@ class Guard:
         if ticket.decision is not Decision.RUN or ticket.settled:
             return
         ticket.settled = True
-        self._stop_renewal(ticket)
+        self._renewals.stop(ticket)
         writer = OutcomeWriter(self.store, self.dispatcher, self.recorder_lease, self._emit)
         met = record_run(writer, ticket, result)
         if met is not None:  # the mark met a live record (transaction rolled back)
@@ -397,7 +397,7 @@ class Guard:
         if ticket.decision is not Decision.RUN or ticket.settled:
             return
         ticket.settled = True
-        self._stop_renewal(ticket)
+        self._renewals.stop(ticket)
         sends = end_capture(ticket)
         if sends:
             self._emit(Event.SENDS_DISCARDED, ticket, count=len(sends))
@@ -470,7 +470,7 @@ class Guard:
         store."""
         live = self._liveness  # waited for, unless it is a stand-in (tests)
         live.stop(timeout=5) if isinstance(live, worker.Liveness) else live.stop()
-        self._heartbeat.stop(timeout=5)
+        self._renewals.close(timeout=5)
         self.stop_relay(timeout=5)
         self.store.close()
 
@@ -486,26 +486,6 @@ class Guard:
         in one line, or :class:`ConfigError` if it answers unready (:meth:`Store.check_ready`)."""
         wait_for_store(store_probe(self.store, identity_text()), self.store.describe(), timeout)
         self._liveness.start()  # a worker writes its record from its start
-
-    def _renew(self, ticket: Ticket) -> None:
-        assert ticket.key is not None and ticket.owner is not None
-        try:
-            self.store.renew(ticket.key, ticket.owner, ticket.policy.lease)
-        except LeaseLost:
-            if ticket.renewal is None:
-                return  # finish/fail ran meanwhile: the claim is complete, not lost
-            report_lost(ticket, self._emit)
-            raise
-        except StoreUnavailable:
-            # Keep trying: the lease still has two thirds left when a renewal first fails.
-            logger.warning("could not renew the lease of %s; will try again", ticket.key)
-            return
-        self._emit(Event.LEASE_RENEWED, ticket)
-
-    def _stop_renewal(self, ticket: Ticket) -> None:
-        if ticket.renewal is not None:
-            self._heartbeat.unwatch(ticket.renewal)
-            ticket.renewal = None
 
 
 def _check_supports(store: Store, policy: Policy) -> None:

@@ -1,7 +1,8 @@
 """Lease renewal for handlers that outlive their lease.
 
 One daemon thread per process renews every running eager claim a third of the way into its
-lease, so a long handler keeps its claim while a dead worker's claim still runs out.
+lease, so a long handler keeps its claim while a dead worker's claim still runs out: the
+:class:`Heartbeat` calls, the guard's :class:`Renewals` renew.
 """
 
 from __future__ import annotations
@@ -13,6 +14,15 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from taskonce.errors import LeaseLost, StoreUnavailable
+from taskonce.events import Event
+from taskonce.record import Emit, report_lost
+
+if TYPE_CHECKING:
+    from taskonce.stores.base import Store
+    from taskonce.ticket import Ticket
 
 logger = logging.getLogger(__name__)
 
@@ -125,3 +135,47 @@ class Heartbeat:
                 with self._cond:
                     if handle in self._watched:
                         watch.due = time.monotonic() + watch.interval
+
+
+class Renewals:
+    """Keeps the lease of each running eager claim renewed, on a :class:`Heartbeat`, from
+    :meth:`start` until its run settles (:meth:`stop`).
+
+    :param store: where the claims live.
+    :param emit: the guard's ``emit(event, ticket, **fields)``.
+    """
+
+    def __init__(self, store: Store, emit: Emit) -> None:
+        self.store = store
+        self.emit = emit
+        self.heartbeat = Heartbeat()
+
+    def start(self, ticket: Ticket) -> None:
+        """Renew ``ticket``'s claim every third of its lease."""
+        ticket.renewal = self.heartbeat.watch(ticket.policy.lease, lambda: self._renew(ticket))
+
+    def stop(self, ticket: Ticket) -> None:
+        """Renew ``ticket``'s claim no more (its run settled, or its process is as good as
+        dead)."""
+        if ticket.renewal is not None:
+            self.heartbeat.unwatch(ticket.renewal)
+            ticket.renewal = None
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop renewing every claim and end the thread (:meth:`Heartbeat.stop`)."""
+        self.heartbeat.stop(timeout)
+
+    def _renew(self, ticket: Ticket) -> None:
+        assert ticket.key is not None and ticket.owner is not None
+        try:
+            self.store.renew(ticket.key, ticket.owner, ticket.policy.lease)
+        except LeaseLost:
+            if ticket.renewal is None:
+                return  # finish/fail ran meanwhile: the claim is complete, not lost
+            report_lost(ticket, self.emit)
+            raise
+        except StoreUnavailable:
+            # Keep trying: the lease still has two thirds left when a renewal first fails.
+            logger.warning("could not renew the lease of %s; will try again", ticket.key)
+            return
+        self.emit(Event.LEASE_RENEWED, ticket)

@@ -151,7 +151,7 @@ def test_expired_lease_is_taken_over_and_the_stale_owner_is_fenced(
 ) -> None:
     guard = make_guard(clock, sink, lease=30)
     stale = guard.begin(Delivery("m1", "q"))
-    guard._stop_renewal(stale)  # the worker died: nothing renews its lease
+    guard._renewals.stop(stale)  # the worker died: nothing renews its lease
     clock.now += 31
     fresh = guard.begin(Delivery("m1", "q"))
     assert fresh.decision is Decision.RUN

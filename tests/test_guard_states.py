@@ -94,7 +94,7 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
         def worker_dies(self, data: st.DataObject) -> None:
             key = data.draw(st.sampled_from(sorted(self.running)))
             ticket = self.running.pop(key)
-            self.guard._stop_renewal(ticket)  # a killed process renews nothing
+            self.guard._renewals.stop(ticket)  # a killed process renews nothing
             self.crashed[key] = ticket
 
         @precondition(lambda self: set(self.crashed) - self.expired)
@@ -129,7 +129,7 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
 
         def teardown(self) -> None:
             for ticket in self.running.values():
-                self.guard._stop_renewal(ticket)
+                self.guard._renewals.stop(ticket)
             self.guard._liveness.stop()  # before its store goes away
             drop_store(self.store)
             self.tmp.cleanup()

@@ -383,7 +383,7 @@ def _stop_threads(guard: taskonce.Guard) -> None:
     """A dead worker writes no more liveness records: without this, the guards of a module
     whose stores are dropped at its end keep beating into missing tables (and logging it)."""
     guard._liveness.stop()
-    guard._heartbeat.stop()
+    guard._renewals.close()
     guard.stop_relay()
 
 

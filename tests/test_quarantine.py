@@ -49,7 +49,7 @@ def crash(guard: Guard, clock: Clock) -> Decision:
     """One delivery of m1 whose handler's process dies: it begins (claims or takes over), runs
     nothing to its end, and its lease runs out by the store's clock."""
     ticket = guard.begin(Delivery("m1", "q", task=TASK), (1,), {})
-    guard._stop_renewal(ticket)  # the dead process renews nothing
+    guard._renewals.stop(ticket)  # the dead process renews nothing
     clock.now += LEASE + 1
     return ticket.decision
 

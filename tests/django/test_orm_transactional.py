@@ -246,7 +246,7 @@ def test_an_eager_copy_that_lost_its_claim_rolls_its_rows_back(alias: str, make_
             results["a"] = exc
 
     thread = _in_thread(copy_a)
-    guard._heartbeat.watch = lambda *a, **k: 0  # no renewals: the lease must run out
+    guard._renewals.heartbeat.watch = lambda *a, **k: 0  # no renewals: the lease must run out
     thread.start()
     deadline = time.monotonic() + 30
     while True:
