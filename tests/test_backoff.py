@@ -90,14 +90,18 @@ def test_a_transactional_commit_the_store_failed_backs_off_by_the_same_rule() ->
 
 
 def test_celerys_setting_is_the_first_back_off() -> None:
-    from taskonce.celery_ext.config import AppState
+    from celery import Celery
 
-    state = AppState()
-    assert state.backoff == Backoff(1.0, 60.0, "setting taskonce_store_retry_delay")
-    state.store_retry_delay = 5.0
-    assert (state.backoff.first, state.backoff.cap) == (5.0, 60.0)
-    state.store_retry_delay = 90.0  # longer than the usual cap: a fixed 90 s
-    assert (state.backoff.first, state.backoff.cap) == (90.0, 90.0)
+    from taskonce.celery_ext.config import AppState, worker_options
+
+    assert AppState().backoff == Backoff(1.0, 60.0, "WorkerOptions.backoff_first")
+    app = Celery("backoff", broker="memory://", set_as_current=False)
+    app.conf.taskonce_store_retry_delay = 5
+    assert (worker_options(app.conf).backoff.first, worker_options(app.conf).backoff.cap) == (5, 60)
+    app.conf.taskonce_store_retry_delay = 90.0  # longer than the usual cap: a fixed 90 s
+    rule = worker_options(app.conf).backoff
+    assert (rule.first, rule.cap) == (90.0, 90.0)
+    app.close()
 
 
 def test_dramatiqs_bounds_are_the_same_rule_in_milliseconds() -> None:
@@ -106,6 +110,6 @@ def test_dramatiqs_bounds_are_the_same_rule_in_milliseconds() -> None:
     middleware = IdempotencyMiddleware(
         Guard(MemoryStore()), store_error_min_backoff=200, store_error_max_backoff=800
     )
-    assert (middleware.backoff.first, middleware.backoff.cap) == (0.2, 0.8)
+    assert (middleware.options.backoff.first, middleware.options.backoff.cap) == (0.2, 0.8)
     default = IdempotencyMiddleware(Guard(MemoryStore()))
-    assert (default.backoff.first, default.backoff.cap) == (1.0, 60.0)
+    assert (default.options.backoff.first, default.options.backoff.cap) == (1.0, 60.0)
