@@ -107,6 +107,23 @@ def worker_options() -> WorkerOptions:
     return WorkerOptions(**given, names=names)
 
 
+def middleware_options() -> WorkerOptions:
+    """:func:`worker_options` for the Dramatiq middleware, which django_dramatiq makes while
+    Django sets up: a bad value refuses a worker's start (exit status 78), like :func:`guard`;
+    in another process still setting up (``manage.py check``, which names the mistake) the
+    defaults stand in, beside the stand-in guard that refuses every use."""
+    try:
+        return worker_options()
+    except ConfigError as exc:
+        _refuse_if_worker(exc)
+        if not _django_setting_up():
+            raise
+        logging.getLogger("taskonce.django_ext").warning(
+            "taskonce: %s; the Dramatiq middleware takes the default worker options", exc
+        )
+        return WorkerOptions()
+
+
 def build_guard() -> Guard:
     """A new guard from ``settings.TASKONCE``.
 

@@ -28,7 +28,7 @@ class IdempotencyMiddleware(_Middleware):
 
     def default_options(self) -> WorkerOptions:
         """``settings.TASKONCE``'s worker options."""
-        return conf.worker_options()
+        return conf.middleware_options()
 
 
 __all__ = ["IdempotencyMiddleware"]
