@@ -249,6 +249,7 @@ __all__ = [
     "UnconfiguredGuard",
     "build_guard",
     "guard",
+    "middleware_options",
     "open_configured_store",
     "read_settings",
     "reset",
