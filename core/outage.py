@@ -201,7 +201,9 @@ def wait_for_store(
 
     :raises StoreUnavailable: the store did not answer in time; its message names the store,
         the wait and the last error, and says the URL is the likely cause.
+    :raises ConfigError: ``timeout`` is not a number of seconds, 0 or more.
     """
+    timeout = check_seconds("wait_for_store(timeout=…)", timeout, zero=True, note="0: one try")
     deadline = clock() + timeout
     told = False
     while True:

@@ -192,3 +192,11 @@ def test_start_relay_arguments(arguments: dict[str, Any], text: str) -> None:
     with taskonce.Guard(taskonce.MemoryStore()) as guard:
         assert refused(lambda: guard.start_relay(**arguments)).startswith(text)
         guard.start_relay(every=0)  # off: no thread
+
+
+def test_wait_for_store_timeout() -> None:
+    with taskonce.Guard(taskonce.MemoryStore()) as guard:
+        assert refused(lambda: guard.wait_for_store(float("nan"))) == (
+            "wait_for_store(timeout=nan) must be a number of seconds, 0 or more (0: one try)"
+        )
+        guard.wait_for_store(0)  # one try: the memory store answers
