@@ -17,6 +17,8 @@ from taskonce import checks
 from taskonce.errors import InvalidInput
 from taskonce.stores.answers import MAX_KEY_LENGTH, MAX_TOKEN_LENGTH, MAX_WORKER_LENGTH, Awaiting
 
+_INF = float("inf")
+
 __all__ = [
     "check_awaiting",
     "check_fingerprint",
@@ -34,6 +36,8 @@ __all__ = [
 
 def check_key(key: object) -> str:
     """``key`` unless it is not a non-empty string of at most ``MAX_KEY_LENGTH`` characters."""
+    if type(key) is str and 0 < len(key) <= MAX_KEY_LENGTH:
+        return key  # the common case first: every store call runs this
     if not isinstance(key, str) or not key:
         raise InvalidInput(f"key {key!r} must be a non-empty string")
     if len(key) > MAX_KEY_LENGTH:
@@ -60,6 +64,8 @@ def check_keys(keys: object) -> list[str]:
 def check_token(name: str, value: object) -> str:
     """``value`` unless it is not a non-empty string of at most ``MAX_TOKEN_LENGTH``
     characters (an owner or dispatch token)."""
+    if type(value) is str and 0 < len(value) <= MAX_TOKEN_LENGTH:
+        return value
     if not isinstance(value, str) or not value:
         raise InvalidInput(f"{name} {value!r} must be a non-empty string")
     if len(value) > MAX_TOKEN_LENGTH:
@@ -92,6 +98,9 @@ def check_worker(worker: object, *, optional: bool = False) -> str | None:
 def check_seconds(name: str, value: object, *, zero: bool = False) -> float:
     """``value`` as seconds: a finite number above 0 (at least 0 with ``zero``); never a
     ``bool`` (:func:`taskonce.checks.check_seconds`)."""
+    if type(value) is float or type(value) is int:  # the common case first (NaN fails it)
+        if 0 <= value < _INF if zero else 0 < value < _INF:
+            return float(value)
     return checks.check_seconds(name, value, zero=zero, error=InvalidInput)
 
 
@@ -109,6 +118,8 @@ def check_result(result: object) -> str | None:
 
 def check_sends(sends: object) -> Sequence[str]:
     """``sends``: a sequence of JSON texts (a ``str`` is refused: it is one send)."""
+    if sends == ():
+        return ()  # the common case: nothing sent
     if isinstance(sends, str) or not isinstance(sends, Sequence):
         raise InvalidInput(f"sends {sends!r} must be a sequence of JSON texts")
     for send in sends:
