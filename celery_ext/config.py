@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import sys
 import threading
@@ -44,15 +43,21 @@ from taskonce.errors import ConfigError, StoreUnavailable
 from taskonce.events import EventSink, JsonlEvents
 from taskonce.exits import EXIT_CONFIG as EXIT_CONFIG  # the adapters' public name
 from taskonce.guard import Guard
-from taskonce.outage import BACKOFF_CAP, BACKOFF_FIRST, START_TIMEOUT, Backoff
+from taskonce.outage import Backoff
 from taskonce.policy import Policy
 from taskonce.stores import Store, open_store
+from taskonce.worker_options import WorkerOptions
 
 logger = logging.getLogger("taskonce.celery")
 
 EAGER_CHOICES = ("guard", "bypass")
-DEFAULT_STORE_RETRY_DELAY = BACKOFF_FIRST
-DEFAULT_RELAY_EVERY = 30.0
+#: Each worker option's setting, as the user writes it (:class:`WorkerOptions`).
+SETTINGS = {
+    "relay_every": "taskonce_relay_every",
+    "start_timeout": "taskonce_start_timeout",
+    "backoff_first": "taskonce_store_retry_delay",
+}
+_UNSET = object()  # ``in conf`` misses a setting under Django's CELERY_ namespace; get finds it
 
 
 @dataclasses.dataclass
@@ -61,15 +66,13 @@ class AppState:
 
     guard: Guard | None = None
     eager: str = "guard"
-    store_retry_delay: float = DEFAULT_STORE_RETRY_DELAY
-    relay_every: float = DEFAULT_RELAY_EVERY
+    options: WorkerOptions = dataclasses.field(default_factory=WorkerOptions)
 
     @property
     def backoff(self) -> Backoff:
         """The back-off after a store error: ``taskonce_store_retry_delay`` the first time,
         doubled for each store error in a row, at most 60 s (or the setting, if longer)."""
-        delay = self.store_retry_delay
-        return Backoff(delay, max(BACKOFF_CAP, delay), "setting taskonce_store_retry_delay")
+        return self.options.backoff
 
     #: effective policy per (task name, queue, time limit)
     policies: dict[tuple[str, str, float | None], Policy] = dataclasses.field(default_factory=dict)
@@ -92,7 +95,15 @@ def app_state(app: Any) -> AppState:
     return state
 
 
-def _read_options(app: Any) -> tuple[str, float, float]:
+def worker_options(conf: Mapping[str, Any]) -> WorkerOptions:
+    """The worker options of the ``taskonce_*`` settings in ``conf`` (an app's ``conf``)."""
+    read = {field: conf.get(name, _UNSET) for field, name in SETTINGS.items()}
+    given = {field: value for field, value in read.items() if value is not _UNSET}
+    names = {field: f"setting {name}" for field, name in SETTINGS.items()}
+    return WorkerOptions(**given, names=names)
+
+
+def _read_options(app: Any) -> tuple[str, WorkerOptions]:
     conf = app.conf
     eager = conf.get("taskonce_eager", "guard")
     if eager not in EAGER_CHOICES:
@@ -100,29 +111,7 @@ def _read_options(app: Any) -> tuple[str, float, float]:
             f"setting taskonce_eager={eager!r} is not valid; choose one of "
             f"{', '.join(EAGER_CHOICES)}"
         )
-    delay = conf.get("taskonce_store_retry_delay", DEFAULT_STORE_RETRY_DELAY)
-    if (
-        isinstance(delay, bool)
-        or not isinstance(delay, (int, float))
-        or not math.isfinite(delay)
-        or delay <= 0
-    ):
-        raise ConfigError(
-            f"setting taskonce_store_retry_delay={delay!r} is not valid; it must be a positive "
-            "number of seconds"
-        )
-    every = conf.get("taskonce_relay_every", DEFAULT_RELAY_EVERY)
-    if (
-        isinstance(every, bool)
-        or not isinstance(every, (int, float))
-        or not math.isfinite(every)
-        or every < 0
-    ):
-        raise ConfigError(
-            f"setting taskonce_relay_every={every!r} is not valid; it must be a number of seconds "
-            "(0 turns the relay off)"
-        )
-    return str(eager), float(delay), float(every)
+    return str(eager), worker_options(conf)
 
 
 def _sinks(value: Any) -> list[EventSink]:
@@ -221,15 +210,14 @@ def _setup(app: Any, guard: Guard | None) -> Guard:
         raise ConfigError(
             f"setup(app, guard): guard must be a taskonce.Guard, not {type(guard).__name__}"
         )
-    eager, delay, every = _read_options(app)
+    eager, options = _read_options(app)
     if guard is None:
         guard = guard_from_settings(app)
     state = app_state(app)
     with state.lock:
         state.guard = guard
         state.eager = eager
-        state.store_retry_delay = delay
-        state.relay_every = every
+        state.options = options
         state.policies.clear()
         install(app, guard)
     if app.finalized:
@@ -246,7 +234,7 @@ def guard_for(app: Any) -> Guard:
     if guard is None:
         with state.lock:
             if state.guard is None:
-                state.eager, state.store_retry_delay, state.relay_every = _read_options(app)
+                state.eager, state.options = _read_options(app)
                 state.guard = guard_from_settings(app)
                 install(app, state.guard)
             guard = state.guard
@@ -306,22 +294,6 @@ def worker_starting(app: Any) -> bool:
     return bool(getattr(getattr(app, "loader", None), "worker_initialized", False))
 
 
-def start_timeout(app: Any) -> float:
-    """The ``taskonce_start_timeout`` setting, checked."""
-    value = app.conf.get("taskonce_start_timeout", START_TIMEOUT)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ConfigError(
-            f"setting taskonce_start_timeout={value!r} is not valid; it must be a number of "
-            "seconds (0: one try)"
-        )
-    return float(value)
-
-
 def _check_at_worker_start(sender: Any = None, **_: Any) -> None:
     """In the worker's main process, before the pool forks: build and check the guard of an
     app that has guarded tasks and wait a short time for its store; stop the worker on a
@@ -333,10 +305,9 @@ def _check_at_worker_start(sender: Any = None, **_: Any) -> None:
     try:
         if not guarded_tasks(app):
             return
-        timeout = start_timeout(app)
         guard = guard_for(app)
         check_tasks(app, guard)
-        guard.wait_for_store(timeout)
+        guard.wait_for_store(app_state(app).options.start_timeout)
     except (ConfigError, StoreUnavailable) as exc:
         refuse_start(exc)
 
@@ -361,7 +332,7 @@ def _start_relay(sender: Any = None, **_: Any) -> None:
         if not guarded_tasks(app):
             return
         guard = guard_for(app)
-        guard.start_relay(app_state(app).relay_every)
+        guard.start_relay(app_state(app).options.relay_every)
     except ConfigError as exc:
         logger.critical("taskonce: %s", exc)
 

@@ -16,6 +16,7 @@ import secrets
 from collections.abc import Callable, Iterable, Sequence
 
 from taskonce import handoff, receipts
+from taskonce.checks import check_seconds
 from taskonce.errors import ConfigError, StoreUnavailable
 from taskonce.events import Event, Sinks, make_event
 from taskonce.handoff import Publisher, Receipt, Send
@@ -33,7 +34,12 @@ RECORDER_HOLD = 10.0
 #: A redelivery whose pending sends could not be published, or that found another dispatcher
 #: publishing them, comes back after at most this many seconds.
 REDISPATCH_RETRY = 5.0
-INF = float("inf")
+
+
+def check_dispatch_lease(lease: object) -> float:
+    """``Guard(dispatch_lease=…)`` as seconds: :class:`~taskonce.errors.ConfigError` unless
+    a positive number (``manage.py check`` calls it too)."""
+    return check_seconds("Guard(dispatch_lease=…)", lease)
 
 
 class Dispatcher:
@@ -46,13 +52,9 @@ class Dispatcher:
     """
 
     def __init__(self, store: Store, sinks: Sinks, lease: float, keep_for: float) -> None:
-        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0 < lease < INF:
-            raise ConfigError(
-                f"Guard(dispatch_lease={lease!r}) must be a positive number of seconds"
-            )
         self.store = store
         self.sinks = sinks
-        self.lease = float(lease)
+        self.lease = check_dispatch_lease(lease)
         self.keep_for = keep_for
         #: the publisher of each framework's sends (``Guard.register_publisher``)
         self.publishers: dict[str, Publisher] = {}

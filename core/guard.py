@@ -163,7 +163,7 @@ class Guard:
     def start_relay(self, every: float = 30.0, older_than: float | None = None) -> None:
         """Run :meth:`relay` every ``every`` seconds in a daemon thread of this process (one per
         guard and process: a second call does nothing; a forked child starts its own).
-        ``every <= 0`` turns it off. ``older_than`` defaults to ``every``."""
+        ``every=0`` turns it off. ``older_than`` defaults to ``every``."""
         self._relay.start(self.relay, every, older_than)
 
     def stop_relay(self, timeout: float | None = None) -> None:

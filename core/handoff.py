@@ -21,7 +21,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from taskonce.errors import ConfigError, SendRefused
+from taskonce.checks import check_count
+from taskonce.errors import SendRefused
 
 if TYPE_CHECKING:
     from taskonce.stores.base import Store
@@ -140,7 +141,8 @@ class Capture:
 
     :param parent_key: the guarded delivery's key (child ids derive from it).
     :param task: the handler's task/actor name, for error messages.
-    :param limit: the most bytes of JSON this handler may capture.
+    :param limit: the most bytes of messages this handler may capture (as their framework
+        encoded them, see :meth:`add`).
     :param within: the handler's ``Policy.confirm_within``, given to each send.
     """
 
@@ -255,10 +257,9 @@ def current() -> Capture | None:
 
 
 def check_send_limit(send_limit: object) -> None:
-    """:class:`~taskonce.errors.ConfigError` unless ``send_limit`` is a positive number of
-    bytes (``Guard(send_limit=…)``)."""
-    if isinstance(send_limit, bool) or not isinstance(send_limit, int) or send_limit < 1:
-        raise ConfigError(f"Guard(send_limit={send_limit!r}) must be a positive number of bytes")
+    """:class:`~taskonce.errors.ConfigError` unless ``send_limit`` is a whole number of bytes,
+    1 or more (``Guard(send_limit=…)``)."""
+    check_count("Guard(send_limit=…)", send_limit, unit="bytes")
 
 
 def start_capture(ticket: Ticket, send_limit: int) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import random
 import threading
@@ -24,6 +23,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from taskonce.checks import check_seconds
 from taskonce.errors import ConfigError, StoreUnavailable
 
 if TYPE_CHECKING:
@@ -64,16 +64,8 @@ class Backoff:
     name: str = "Backoff"
 
     def __post_init__(self) -> None:
-        for field, value in (("first", self.first), ("cap", self.cap)):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise ConfigError(
-                    f"{self.name}: {field}={value!r} must be a positive number of seconds"
-                )
+        for field in ("first", "cap"):
+            check_seconds(f"{self.name}: {field}", getattr(self, field))
         if self.cap < self.first:
             raise ConfigError(
                 f"{self.name}: cap={self.cap!r} is less than first={self.first!r} seconds"
@@ -209,7 +201,9 @@ def wait_for_store(
 
     :raises StoreUnavailable: the store did not answer in time; its message names the store,
         the wait and the last error, and says the URL is the likely cause.
+    :raises ConfigError: ``timeout`` is not a number of seconds, 0 or more.
     """
+    timeout = check_seconds("wait_for_store(timeout=…)", timeout, zero=True, note="0: one try")
     deadline = clock() + timeout
     told = False
     while True:

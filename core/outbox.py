@@ -215,15 +215,18 @@ class _OutboxCapture(Capture):
         message_id: str | None = None,
         *,
         name: str | None = None,
+        size: int | None = None,
     ) -> str:
         if self._test is not None:
-            return self._test.add(framework, body, message_id, name=name)
-        send_id = super().add(framework, body, message_id, name=name)
+            return self._test.add(framework, body, message_id, name=name, size=size)
+        before = self.size
+        send_id = super().add(framework, body, message_id, name=name, size=size)
         try:
             self._write(self.texts[-1])
         except BaseException:
             self.sends.pop()
-            self.size -= len(self.texts.pop().encode())
+            self.texts.pop()
+            self.size = before
             raise
         return send_id
 

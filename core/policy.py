@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from taskonce.checks import check_count, check_seconds
 from taskonce.errors import ConfigError
 
 Mode = Literal["eager", "lazy"]
@@ -114,21 +114,11 @@ class Policy:
             if not isinstance(value, bool):
                 raise ConfigError(f"Policy.{name}={value!r} is not valid; it must be True or False")
         for name in _SECONDS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"Policy.{name}={value!r} is not valid; it must be seconds")
-            if not math.isfinite(value) or value <= 0:
-                raise ConfigError(
-                    f"Policy.{name}={value!r} is not valid; it must be a positive number of seconds"
-                )
-            object.__setattr__(self, name, float(value))
+            object.__setattr__(self, name, check_seconds(f"Policy.{name}", getattr(self, name)))
         self._check_confirm_within()
-        limit = self.crash_limit
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ConfigError(
-                f"Policy.crash_limit={limit!r} is not valid; it must be a whole number of "
-                "take-overs, 0 or more (0 turns quarantine off)"
-            )
+        check_count(
+            "Policy.crash_limit", self.crash_limit, minimum=0, note="0 turns quarantine off"
+        )
         if not self.check_first and (self.mode != "lazy" or not self.transactional):
             # Without the pre-check only the transaction's rollback stops a duplicate's effect:
             # eager claims first by design, and a lazy mark outside a transaction comes too late.
@@ -143,14 +133,8 @@ class Policy:
         value = self.confirm_within
         if isinstance(value, _Default):
             return
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"Policy.confirm_within={value!r} is not valid; it must be seconds")
-        if not math.isfinite(value) or value < 0:
-            raise ConfigError(
-                f"Policy.confirm_within={value!r} is not valid; it must be 0 (no receipts) or a "
-                "positive number of seconds"
-            )
-        object.__setattr__(self, "confirm_within", float(value))
+        value = check_seconds("Policy.confirm_within", value, zero=True, note="0: no receipts")
+        object.__setattr__(self, "confirm_within", value)
         window = RECEIPT_WINDOW * value
         if value and window > self.keep_for / 2:
             raise ConfigError(

@@ -13,7 +13,8 @@ import threading
 import weakref
 from collections.abc import Callable
 
-from taskonce.errors import ConfigError, StoreUnavailable
+from taskonce.checks import check_seconds
+from taskonce.errors import StoreUnavailable
 
 logger = logging.getLogger("taskonce")
 
@@ -37,12 +38,13 @@ class RelayThread:
 
     def start(self, sweep: Sweep, every: float, older_than: float | None = None) -> None:
         """Sweep every ``every`` seconds, records older than ``older_than`` (default
-        ``every``); nothing when this process's thread already runs, or for ``every <= 0``."""
-        if isinstance(every, bool) or not isinstance(every, (int, float)):
-            raise ConfigError(f"start_relay(every={every!r}) must be seconds")
-        if every <= 0:
+        ``every``); nothing when this process's thread already runs, or for ``every`` 0."""
+        every = check_seconds("start_relay(every=…)", every, zero=True, note="0: no relay")
+        if older_than is not None:
+            older_than = check_seconds("start_relay(older_than=…)", older_than, zero=True)
+        if not every:
             return
-        age = float(every if older_than is None else older_than)
+        age = every if older_than is None else older_than
         with self._lock:
             running = self._running
             if running is not None and running[0] == os.getpid() and running[1].is_alive():
@@ -50,7 +52,7 @@ class RelayThread:
             stop = threading.Event()
             thread = threading.Thread(
                 target=_loop,
-                args=(sweep, float(every), age, stop),
+                args=(sweep, every, age, stop),
                 name="taskonce-relay",
                 daemon=True,
             )

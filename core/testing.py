@@ -241,8 +241,9 @@ class _Collecting(handoff.Capture):
         message_id: str | None = None,
         *,
         name: str | None = None,
+        size: int | None = None,
     ) -> str:
-        send_id = super().add(framework, body, message_id, name=name)
+        send_id = super().add(framework, body, message_id, name=name, size=size)
         self.found.append(CapturedSend.of(self.sends[-1]))
         return send_id
 

@@ -1,7 +1,8 @@
 """System checks (``manage.py check``) for taskonce's settings, under the tag ``taskonce``.
 
 - ``taskonce.E001``: ``settings.TASKONCE`` is not valid: not a dict, an unknown key (with the
-  close one), a bad ``EVENTS``, ``SEND_LIMIT`` or ``DISPATCH_LEASE``;
+  close one), a bad ``EVENTS``, ``SEND_LIMIT``, ``DISPATCH_LEASE``, ``RELAY_EVERY``,
+  ``START_TIMEOUT`` or ``STORE_RETRY_DELAY``;
 - ``taskonce.E002``: a policy of ``DEFAULT`` or ``QUEUES`` is not valid (unknown field, bad
   value), in the words the guard would refuse it with: one error per problem, every bad field
   of every policy dict (the guard stops at the first);
@@ -76,7 +77,10 @@ def _scheme(url: str) -> str:
 
 def _guard_options(values: Mapping[str, Any]) -> list[CheckMessage]:
     """E001 for the guard's options as :func:`~taskonce.django_ext.conf.build_guard` passes
-    them: ``DEFAULT``/``QUEUES`` dicts, ``EVENTS`` sinks, ``SEND_LIMIT``, ``DISPATCH_LEASE``."""
+    them (``DEFAULT``/``QUEUES`` dicts, ``EVENTS`` sinks, ``SEND_LIMIT``, ``DISPATCH_LEASE``)
+    and the worker options (``RELAY_EVERY``, …), each by the check that refuses it in use."""
+    from taskonce.dispatch import check_dispatch_lease
+    from taskonce.django_ext import conf
     from taskonce.events import EventSink
     from taskonce.handoff import check_send_limit
 
@@ -100,15 +104,20 @@ def _guard_options(values: Mapping[str, Any]) -> list[CheckMessage]:
             check_send_limit(values["SEND_LIMIT"])
         except ConfigError as exc:
             problems.append(str(exc))
-    lease = values["DISPATCH_LEASE"]
-    if lease is not None and (
-        isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0 < lease < 1e308
-    ):
-        problems.append(f"Guard(dispatch_lease={lease!r}) must be a positive number of seconds")
+    if values["DISPATCH_LEASE"] is not None:
+        try:
+            check_dispatch_lease(values["DISPATCH_LEASE"])
+        except ConfigError as exc:
+            problems.append(str(exc))
+    try:
+        conf.worker_options()
+    except ConfigError as exc:
+        problems.append(str(exc))
     return [
         Error(
             f"settings.TASKONCE: {text}",
-            hint="SEND_LIMIT is bytes (int), DISPATCH_LEASE seconds; EVENTS sinks such as "
+            hint="SEND_LIMIT is bytes (int); DISPATCH_LEASE, RELAY_EVERY, START_TIMEOUT and "
+            "STORE_RETRY_DELAY seconds; EVENTS sinks such as "
             f'taskonce.JsonlEvents("events.jsonl"); {_DOCS}',
             id="taskonce.E001",
         )

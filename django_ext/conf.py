@@ -10,6 +10,9 @@ share.
         "EVENTS": [],                    # extra event sinks (taskonce.JsonlEvents(…), …)
         "SEND_LIMIT": 1048576,           # Guard(send_limit=…)
         "DISPATCH_LEASE": 30.0,          # Guard(dispatch_lease=…)
+        "RELAY_EVERY": 30.0,             # the Dramatiq middleware's relay_every (seconds)
+        "START_TIMEOUT": 30.0,           # … its start_timeout (seconds)
+        "STORE_RETRY_DELAY": 1.0,        # … the first back-off after a store error (seconds)
     }
 
 Every key is optional. :func:`guard` builds the guard once per process (again after
@@ -29,6 +32,7 @@ from typing import Any
 from taskonce.errors import ConfigError
 from taskonce.guard import Guard
 from taskonce.stores.base import Store
+from taskonce.worker_options import WorkerOptions
 
 #: The keys of ``settings.TASKONCE`` and their defaults.
 DEFAULTS: dict[str, Any] = {
@@ -38,6 +42,15 @@ DEFAULTS: dict[str, Any] = {
     "EVENTS": [],
     "SEND_LIMIT": None,
     "DISPATCH_LEASE": None,
+    "RELAY_EVERY": None,
+    "START_TIMEOUT": None,
+    "STORE_RETRY_DELAY": None,
+}
+#: The keys of ``settings.TASKONCE`` that are worker options, and their fields.
+WORKER_OPTIONS = {
+    "RELAY_EVERY": "relay_every",
+    "START_TIMEOUT": "start_timeout",
+    "STORE_RETRY_DELAY": "backoff_first",
 }
 
 _lock = threading.Lock()
@@ -80,6 +93,35 @@ def open_configured_store() -> Store:
     from taskonce.stores import open_store
 
     return open_store(store_url())
+
+
+def worker_options() -> WorkerOptions:
+    """The worker options of ``settings.TASKONCE`` (``RELAY_EVERY``, ``START_TIMEOUT``,
+    ``STORE_RETRY_DELAY``), the defaults for the ones it leaves out.
+
+    :raises ConfigError: a bad value, naming it: ``settings.TASKONCE["RELAY_EVERY"]=-1 must be
+        a number of seconds, 0 or more``."""
+    values = read_settings()
+    given = {field: values[key] for key, field in WORKER_OPTIONS.items() if values[key] is not None}
+    names = {field: f'settings.TASKONCE["{key}"]' for key, field in WORKER_OPTIONS.items()}
+    return WorkerOptions(**given, names=names)
+
+
+def middleware_options() -> WorkerOptions:
+    """:func:`worker_options` for the Dramatiq middleware, which django_dramatiq makes while
+    Django sets up: a bad value refuses a worker's start (exit status 78), like :func:`guard`;
+    in another process still setting up (``manage.py check``, which names the mistake) the
+    defaults stand in, beside the stand-in guard that refuses every use."""
+    try:
+        return worker_options()
+    except ConfigError as exc:
+        _refuse_if_worker(exc)
+        if not _django_setting_up():
+            raise
+        logging.getLogger("taskonce.django_ext").warning(
+            "taskonce: %s; the Dramatiq middleware takes the default worker options", exc
+        )
+        return WorkerOptions()
 
 
 def build_guard() -> Guard:
@@ -207,7 +249,9 @@ __all__ = [
     "UnconfiguredGuard",
     "build_guard",
     "guard",
+    "middleware_options",
     "open_configured_store",
     "read_settings",
     "reset",
+    "worker_options",
 ]

@@ -58,12 +58,13 @@ from taskonce.dramatiq_ext.redelivery import Redelivery, deferrals, store_errors
 from taskonce.dramatiq_ext.requeue import requeue_warnings
 from taskonce.dramatiq_ext.results import keep_first_result
 from taskonce.dramatiq_ext.tickets import TicketBook
+from taskonce.dramatiq_ext.worker_options import worker_options
 from taskonce.errors import ConfigError, StoreUnavailable
 from taskonce.exits import EXIT_CONFIG as EXIT_CONFIG  # the adapters' public name
 from taskonce.guard import Delivery, Guard, Ticket
 from taskonce.handoff import Receipt
 from taskonce.keys import make_key
-from taskonce.outage import START_TIMEOUT, Backoff
+from taskonce.worker_options import WorkerOptions
 
 if TYPE_CHECKING:
     from dramatiq import Actor, Broker, Worker
@@ -113,51 +114,35 @@ class IdempotencyMiddleware(Middleware):
     :param start_timeout: seconds a worker process started by the ``dramatiq`` command waits
         for the store to answer before the worker refuses to start (exit status 78: a store
         unreachable at start is almost always a wrong URL); default 30.
+
+    A keyword left out keeps its default (:meth:`default_options`; for
+    :class:`taskonce.django_ext.IdempotencyMiddleware`, ``settings.TASKONCE``'s). A bad value
+    is a :class:`~taskonce.ConfigError` naming it: ``IdempotencyMiddleware(relay_every=-1)
+    must be a number of seconds, 0 or more``.
     """
 
     def __init__(
         self,
         guard: Guard,
         *,
-        store_error_min_backoff: int = 1000,
-        store_error_max_backoff: int = 60_000,
-        relay_every: float = 30.0,
-        start_timeout: float = START_TIMEOUT,
+        store_error_min_backoff: int | None = None,
+        store_error_max_backoff: int | None = None,
+        relay_every: float | None = None,
+        start_timeout: float | None = None,
     ) -> None:
         if not isinstance(guard, Guard):
             raise ConfigError(
                 f"IdempotencyMiddleware(guard=…) needs a taskonce.Guard, not {type(guard).__name__}"
             )
-        for name, value in (
-            ("store_error_min_backoff", store_error_min_backoff),
-            ("store_error_max_backoff", store_error_max_backoff),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(
-                    f"IdempotencyMiddleware {name}={value!r} must be a positive number of ms"
-                )
-        if (
-            isinstance(relay_every, bool)
-            or not isinstance(relay_every, (int, float))
-            or not relay_every >= 0
-            or relay_every == float("inf")
-        ):
-            raise ConfigError(
-                f"IdempotencyMiddleware relay_every={relay_every!r} must be a number of seconds "
-                "(0 turns the relay off)"
-            )
-        if (
-            isinstance(start_timeout, bool)
-            or not isinstance(start_timeout, (int, float))
-            or not 0 <= start_timeout < float("inf")
-        ):
-            raise ConfigError(
-                f"IdempotencyMiddleware start_timeout={start_timeout!r} must be a number of "
-                "seconds (0: one try)"
-            )
         self.guard = guard
-        self.relay_every = float(relay_every)
-        self.start_timeout = float(start_timeout)
+        keywords = {
+            "store_error_min_backoff": store_error_min_backoff,
+            "store_error_max_backoff": store_error_max_backoff,
+            "relay_every": relay_every,
+            "start_timeout": start_timeout,
+        }
+        #: relay interval, start timeout, the back-off after a store error (checked here)
+        self.options = worker_options(keywords, self.default_options())
         #: set in a worker process of the ``dramatiq`` command (after_process_boot), where a
         #: configuration error ends the process with EXIT_CONFIG instead of a traceback
         self._in_cli_worker = False
@@ -167,15 +152,13 @@ class IdempotencyMiddleware(Middleware):
         self.policies = ActorPolicies(guard)
         self.tickets = TicketBook()
         self.redelivery = Redelivery()
-        #: the delay of a delivery put back after a store error (the core's one rule)
-        self.backoff = Backoff(
-            first=store_error_min_backoff / 1000,
-            cap=max(store_error_min_backoff, store_error_max_backoff) / 1000,
-            name="IdempotencyMiddleware store_error_min_backoff/store_error_max_backoff",
-        )
         self._declared_here: set[str] = set()
         self._queues: dict[str, str] = {}
         self._requeue_warned = False
+
+    def default_options(self) -> WorkerOptions:
+        """The options a keyword left out keeps (Django's middleware: ``settings.TASKONCE``)."""
+        return WorkerOptions()
 
     @property
     def actor_options(self) -> set[str]:
@@ -208,7 +191,7 @@ class IdempotencyMiddleware(Middleware):
         (the main process then stops the others and exits with it); nothing is consumed."""
         self._in_cli_worker = True
         try:
-            self.guard.wait_for_store(self.start_timeout)
+            self.guard.wait_for_store(self.options.start_timeout)
         except (ConfigError, StoreUnavailable) as exc:
             refuse_start(exc)
 
@@ -263,7 +246,7 @@ class IdempotencyMiddleware(Middleware):
     def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
         """Start this process's hand-off relay (every ``relay_every`` seconds); say where the
         broker's settings lose a killed process's messages."""
-        self.guard.start_relay(self.relay_every)
+        self.guard.start_relay(self.options.relay_every)
         self._warn_requeue(broker)
 
     def _warn_requeue(self, broker: Broker) -> None:
@@ -299,7 +282,7 @@ class IdempotencyMiddleware(Middleware):
             lambda: self._delivery(broker, message, msg),
             msg.args,
             msg.kwargs,
-            self.backoff,
+            self.options.backoff,
         )
         DRAMATIQ[action.do][0](self, broker, message, action)
         # The actor runs (the rows that do not raise): taskonce.current_key() in this thread
@@ -402,7 +385,7 @@ class IdempotencyMiddleware(Middleware):
         self._finish(broker, message, ticket, result)
 
     def _finish(self, broker: Broker, message: MessageProxy, ticket: Ticket, result: Any) -> None:
-        action = after(self.guard, ticket, result, self.backoff)
+        action = after(self.guard, ticket, result, self.options.backoff)
         DRAMATIQ[action.do][1](self, broker, message, action)
 
     # -- the rows of the table (DRAMATIQ, below the class) ---------------------------------

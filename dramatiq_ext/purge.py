@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from dramatiq import Middleware
 
+from taskonce.checks import check_count, check_seconds
 from taskonce.errors import ConfigError, StoreUnavailable
 from taskonce.guard import Guard
 
@@ -51,13 +52,10 @@ class PeriodicPurge(Middleware):
     ) -> None:
         if not isinstance(guard, Guard):
             raise ConfigError(f"PeriodicPurge(guard=…) needs a taskonce.Guard, not {guard!r}")
-        for name, value in (("every", every), ("first_after", first_after)):
-            if value is None and name == "first_after":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"PeriodicPurge {name}={value!r} must be positive seconds")
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ConfigError(f"PeriodicPurge batch={batch!r} must be a positive integer")
+        self.every = check_seconds("PeriodicPurge(every=…)", every)
+        self.batch = check_count("PeriodicPurge(batch=…)", batch)
+        if first_after is not None:
+            first_after = check_seconds("PeriodicPurge(first_after=…)", first_after)
         if not hasattr(guard.store, "open_session"):
             logger.info(
                 "PeriodicPurge on %s: this store expires its own records; purges will find "
@@ -65,8 +63,6 @@ class PeriodicPurge(Middleware):
                 guard.store.describe(),
             )
         self.guard = guard
-        self.every = float(every)
-        self.batch = batch
         self.first_after = first_after
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -90,14 +90,18 @@ def test_a_transactional_commit_the_store_failed_backs_off_by_the_same_rule() ->
 
 
 def test_celerys_setting_is_the_first_back_off() -> None:
-    from taskonce.celery_ext.config import AppState
+    from celery import Celery
 
-    state = AppState()
-    assert state.backoff == Backoff(1.0, 60.0, "setting taskonce_store_retry_delay")
-    state.store_retry_delay = 5.0
-    assert (state.backoff.first, state.backoff.cap) == (5.0, 60.0)
-    state.store_retry_delay = 90.0  # longer than the usual cap: a fixed 90 s
-    assert (state.backoff.first, state.backoff.cap) == (90.0, 90.0)
+    from taskonce.celery_ext.config import AppState, worker_options
+
+    assert AppState().backoff == Backoff(1.0, 60.0, "WorkerOptions.backoff_first")
+    app = Celery("backoff", broker="memory://", set_as_current=False)
+    app.conf.taskonce_store_retry_delay = 5
+    assert (worker_options(app.conf).backoff.first, worker_options(app.conf).backoff.cap) == (5, 60)
+    app.conf.taskonce_store_retry_delay = 90.0  # longer than the usual cap: a fixed 90 s
+    rule = worker_options(app.conf).backoff
+    assert (rule.first, rule.cap) == (90.0, 90.0)
+    app.close()
 
 
 def test_dramatiqs_bounds_are_the_same_rule_in_milliseconds() -> None:
@@ -106,6 +110,67 @@ def test_dramatiqs_bounds_are_the_same_rule_in_milliseconds() -> None:
     middleware = IdempotencyMiddleware(
         Guard(MemoryStore()), store_error_min_backoff=200, store_error_max_backoff=800
     )
-    assert (middleware.backoff.first, middleware.backoff.cap) == (0.2, 0.8)
+    assert (middleware.options.backoff.first, middleware.options.backoff.cap) == (0.2, 0.8)
     default = IdempotencyMiddleware(Guard(MemoryStore()))
-    assert (default.backoff.first, default.backoff.cap) == (1.0, 60.0)
+    assert (default.options.backoff.first, default.options.backoff.cap) == (1.0, 60.0)
+
+
+def test_both_adapters_wait_the_actions_delay_and_nothing_else() -> None:
+    """Whatever the rule draws is what Celery's countdown and Dramatiq's enqueue delay are."""
+    import time
+    from unittest import mock
+
+    import dramatiq
+    from celery import Celery
+    from celery.exceptions import Ignore
+    from dramatiq import Message
+    from dramatiq.broker import MessageProxy
+    from dramatiq.brokers.stub import StubBroker
+
+    from taskonce.celery_ext import IdempotentTask, setup
+    from taskonce.dramatiq_ext import IdempotencyMiddleware
+    from taskonce.dramatiq_ext.errors import StoreDown
+
+    drawn = 42.5
+    app = Celery("backoff-adapters", broker="memory://", set_as_current=False)
+    setup(app, Guard(DownStore()))
+
+    @app.task(base=IdempotentTask, shared=False, name="charge")
+    def charge() -> None:
+        raise AssertionError("not run while the store is down")
+
+    waits: list[tuple[float, int]] = []
+
+    def deliver_later(self: Any, call: Any, delay: float, **counts: int) -> None:
+        waits.append((delay, counts.get("store_errors", 0)))
+        raise Ignore()
+
+    with (
+        mock.patch.object(Backoff, "delay", return_value=drawn),
+        mock.patch.object(IdempotentTask, "_deliver_later", deliver_later),
+    ):
+        charge.push_request(
+            id="t-1", is_eager=False, called_directly=False, delivery_info={"routing_key": "celery"}
+        )
+        try:
+            with pytest.raises(Ignore):
+                charge()
+        finally:
+            charge.pop_request()
+    assert waits == [(drawn, 1)]
+    app.close()
+
+    broker = StubBroker()
+    middleware = IdempotencyMiddleware(Guard(DownStore()))
+    broker.add_middleware(middleware)
+    pay = dramatiq.actor(lambda: None, broker=broker, actor_name="pay", queue_name="q")
+    message = MessageProxy(
+        Message(queue_name="q", actor_name=pay.actor_name, args=(), kwargs={}, options={})
+    )
+    before_ms = time.time() * 1000
+    with mock.patch.object(Backoff, "delay", return_value=drawn), pytest.raises(StoreDown):
+        middleware.before_process_message(broker, message)
+    copy = broker.queues["q.DQ"].get_nowait()
+    copy = Message.decode(copy) if isinstance(copy, bytes) else copy
+    assert before_ms + drawn * 1000 <= copy.options["eta"] <= time.time() * 1000 + drawn * 1000
+    broker.close()

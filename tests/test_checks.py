@@ -35,3 +35,18 @@ def test_count() -> None:
         with pytest.raises(taskonce.InvalidInput) as caught:
             check_count("batch", bad, error=taskonce.InvalidInput)
         assert str(caught.value) == f"batch={bad!r} must be a whole number, 1 or more"
+
+
+def test_a_call_has_the_value_in_place_of_its_ellipsis() -> None:
+    with pytest.raises(taskonce.ConfigError) as caught:
+        check_seconds("Guard(dispatch_lease=…)", -1)
+    assert str(caught.value) == "Guard(dispatch_lease=-1) must be a positive number of seconds"
+    with pytest.raises(taskonce.ConfigError) as caught:
+        check_count("PeriodicPurge(batch=…)", 0)
+    assert str(caught.value) == "PeriodicPurge(batch=0) must be a whole number, 1 or more"
+
+
+def test_a_count_may_say_what_it_counts() -> None:
+    with pytest.raises(taskonce.ConfigError) as caught:
+        check_count("Guard(send_limit=…)", 0, unit="bytes")
+    assert str(caught.value) == "Guard(send_limit=0) must be a whole number of bytes, 1 or more"

@@ -22,7 +22,13 @@ import argparse
 import logging
 from pathlib import Path
 
-from tools.upstream.common import BUILD, RedisServer, Variant, check_source, report, run_variants
+from tools.upstream.common import (
+    BUILD,
+    RedisServer,
+    add_run_arguments,
+    check_source,
+    compare,
+)
 
 TEST_FILE = "t/integration/test_canvas.py"
 #: Upstream tests that hang in both variants on this kind of machine (issue 40): left out.
@@ -62,22 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         "--celery-src", type=Path, required=True,
         help="a Celery source tree at the installed version's tag (git clone --branch vX.Y.Z)",
     )  # fmt: skip
-    parser.add_argument("-k", dest="keyword", help="run only the tests matching this expression")
     parser.add_argument(
         "--sequential", action="store_true", help="run the variants one after the other"
     )
-    parser.add_argument(
-        "--timeout", type=float, default=600, help="seconds a test may take (default 600)"
-    )
-    parser.add_argument(
-        "--deadline-minutes", type=float,
-        help="stop a variant's run after this long; the tests finished by then are compared",
-    )  # fmt: skip
-    parser.add_argument(
-        "--allow-version-mismatch", action="store_true",
-        help="run a source tree of another version than the installed Celery",
-    )  # fmt: skip
-    parser.add_argument("--out", type=Path, default=BUILD / "celery-canvas")
+    add_run_arguments(parser, "Celery", timeout=600, out=BUILD / "celery-canvas")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
@@ -89,25 +83,17 @@ def main(argv: list[str] | None = None) -> int:
     ]  # fmt: skip
     for test in HANGING:
         pytest_args += ["--deselect", f"{TEST_FILE}::{test}"]
-    if args.keyword:
-        pytest_args += ["-k", args.keyword]
-    results = run_variants(
+    return compare(
+        args,
         suite=f"Celery {version} {TEST_FILE}",
+        title=f"Celery {version} canvas",
         source=source,
-        variants=[Variant("plain", plain_env), Variant("taskonce", taskonce_env)],
+        plain_env=plain_env,
+        taskonce_env=taskonce_env,
         pytest_args=pytest_args,
         # Celery's pytest plugin is an entry point of pytest-celery, which the run does not need
         plugins=["celery.contrib.pytest", "taskonce_upstream_celery"],
-        out=args.out,
         parallel=not args.sequential,
-        deadline_minutes=args.deadline_minutes,
-    )
-    return report(
-        f"Celery {version} canvas",
-        results,
-        plain="plain",
-        guarded="taskonce",
-        out=args.out,
         intended=INTENDED,
     )
 

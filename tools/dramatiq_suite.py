@@ -26,7 +26,13 @@ import argparse
 import logging
 from pathlib import Path
 
-from tools.upstream.common import BUILD, RedisServer, Variant, check_source, report, run_variants
+from tools.upstream.common import (
+    BUILD,
+    RedisServer,
+    add_run_arguments,
+    check_source,
+    compare,
+)
 
 LEFT_OUT = ("tests/test_rabbitmq.py", "tests/benchmarks")
 #: Tests that fail with the middleware because the run adds it, not because of what it does
@@ -59,7 +65,6 @@ def main(argv: list[str] | None = None) -> int:
         "tests", nargs="*", default=["tests"],
         help="test files or node ids under the source tree (default: tests)",
     )  # fmt: skip
-    parser.add_argument("-k", dest="keyword", help="run only the tests matching this expression")
     parser.add_argument(
         "--store", choices=("redis", "memory"), default="redis",
         help="taskonce's store: database 1 of the variant's redis-server (default), or memory",
@@ -69,18 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         help="run both variants at once (by default one after the other: the CLI tests write "
         "fixed files in /tmp that two runs would share)",
     )  # fmt: skip
-    parser.add_argument(
-        "--timeout", type=float, default=300, help="seconds a test may take (default 300)"
-    )
-    parser.add_argument(
-        "--deadline-minutes", type=float,
-        help="stop a variant's run after this long; the tests finished by then are compared",
-    )  # fmt: skip
-    parser.add_argument(
-        "--allow-version-mismatch", action="store_true",
-        help="run a source tree of another version than the installed Dramatiq",
-    )  # fmt: skip
-    parser.add_argument("--out", type=Path, default=BUILD / "dramatiq-suite")
+    add_run_arguments(parser, "Dramatiq", timeout=300, out=BUILD / "dramatiq-suite")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
@@ -98,24 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     ]  # fmt: skip
     for path in LEFT_OUT:
         pytest_args += ["--ignore", path]
-    if args.keyword:
-        pytest_args += ["-k", args.keyword]
-    results = run_variants(
+    return compare(
+        args,
         suite=f"Dramatiq {version} tests",
+        title=f"Dramatiq {version} tests",
         source=source,
-        variants=[Variant("plain", plain_env), Variant("taskonce", taskonce_env)],
+        plain_env=plain_env,
+        taskonce_env=taskonce_env,
         pytest_args=pytest_args,
         plugins=["taskonce_upstream_dramatiq"],
-        out=args.out,
         parallel=args.parallel,
-        deadline_minutes=args.deadline_minutes,
-    )
-    return report(
-        f"Dramatiq {version} tests",
-        results,
-        plain="plain",
-        guarded="taskonce",
-        out=args.out,
         intended=INTENDED,
     )
 

@@ -89,7 +89,9 @@ def test_e001_guard_options() -> None:
     assert ids(messages) == ["taskonce.E001", "taskonce.E001", "taskonce.W003"]
     texts = sorted(m.msg for m in messages if m.id == "taskonce.E001")
     assert texts[0].startswith("settings.TASKONCE: Guard(events=…): <object object at")
-    assert texts[1] == "settings.TASKONCE: Guard(send_limit=0) must be a positive number of bytes"
+    assert texts[1] == (
+        "settings.TASKONCE: Guard(send_limit=0) must be a whole number of bytes, 1 or more"
+    )
     message = only(run(TASKONCE={**PROJECT, "DISPATCH_LEASE": -1}), "taskonce.E001")
     assert message.msg == (
         "settings.TASKONCE: Guard(dispatch_lease=-1) must be a positive number of seconds"
@@ -111,7 +113,7 @@ def test_e002_bad_policy_field_or_value_with_the_guards_text() -> None:
         "valid; choose one of eager, lazy"
     )
     lease = {"DEFAULT": {"lease": 0}}
-    assert "Policy.lease=0 is not valid" in only(run(TASKONCE=lease), "taskonce.E002").msg
+    assert "Policy.lease=0 must be a positive" in only(run(TASKONCE=lease), "taskonce.E002").msg
 
 
 def test_e002_names_every_bad_field_of_every_policy() -> None:
@@ -129,12 +131,11 @@ def test_e002_names_every_bad_field_of_every_policy() -> None:
     assert found[1:] == [
         "settings.TASKONCE[\"DEFAULT\"]: Policy.mode='eagre' is not valid; choose one of eager, "
         "lazy",
-        'settings.TASKONCE["DEFAULT"]: Policy.lease=0 is not valid; it must be a positive '
-        "number of seconds",
+        'settings.TASKONCE["DEFAULT"]: Policy.lease=0 must be a positive number of seconds',
         "settings.TASKONCE[\"QUEUES\"]: policy of queue 'emails': Policy.transactional='yes' is "
         "not valid; it must be True or False",
-        "settings.TASKONCE[\"QUEUES\"]: policy of queue 'emails': Policy.crash_limit=-1 is not "
-        "valid; it must be a whole number of take-overs, 0 or more (0 turns quarantine off)",
+        "settings.TASKONCE[\"QUEUES\"]: policy of queue 'emails': Policy.crash_limit=-1 must be "
+        "a whole number, 0 or more (0 turns quarantine off)",
     ]
 
 

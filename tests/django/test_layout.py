@@ -117,7 +117,8 @@ def test_the_worker_still_refuses_to_start(tmp_path: Path) -> None:
     assert status == EXIT_CONFIG, output
     assert (
         "taskonce: settings.TASKONCE has no setting 'DEFALT' (did you mean 'DEFAULT'?); known: "
-        "STORE, DEFAULT, QUEUES, EVENTS, SEND_LIMIT, DISPATCH_LEASE; the worker does not start"
+        "STORE, DEFAULT, QUEUES, EVENTS, SEND_LIMIT, DISPATCH_LEASE, RELAY_EVERY, START_TIMEOUT, "
+        "STORE_RETRY_DELAY; the worker does not start"
     ) in output
     assert "Traceback" not in output
 

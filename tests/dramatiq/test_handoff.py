@@ -81,6 +81,14 @@ def child_ids(h: Harness, parent: Message[Any], count: int) -> list[str]:
     return [derive_id(key, i) for i in range(count)]
 
 
+def runs_expected(h: Harness, ids: list[str]) -> dict[str, int]:
+    """One run per child, two for a child the dying worker had already started: its threads
+    may take the first children off the broker before the kill at a later enqueue; such a
+    child's claim is taken over from the dead owner (``lease_taken_over``) and it runs again —
+    its run, written outside a transaction, is at least once, as documented."""
+    return {i: 2 if "lease_taken_over" in h.event_names(i) else 1 for i in ids}
+
+
 def wait_runs(h: Harness, table: str, count: int, timeout: float = 40) -> None:
     h.wait(lambda: h.runs(table) >= count, timeout=timeout, what=f"{count} runs in {table}")
 
@@ -126,7 +134,7 @@ def test_crash_mid_dispatch_two_of_three_out(
         lambda: all("duplicate_skipped" in h.event_names(i) for i in ids[:2]),
         what="the second copies of the first two children to be skipped",
     )
-    assert per_message(h, children) == dict.fromkeys(ids, 1)
+    assert per_message(h, children) == runs_expected(h, ids)
     assert h.runs(parent_table) == 1
 
 

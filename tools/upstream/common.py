@@ -9,6 +9,7 @@ keys. Outcomes come from ``site/taskonce_upstream_results.py``: one JSON line pe
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -109,6 +110,27 @@ class Outcome:
     reason: str = ""
     #: taskonce's warnings and errors logged during the failing phase
     taskonce_log: list[str] = dataclasses.field(default_factory=list)
+
+
+def add_run_arguments(
+    parser: argparse.ArgumentParser, framework: str, *, timeout: float, out: Path
+) -> None:
+    """The options both upstream runs take: ``-k``, ``--timeout``, ``--deadline-minutes``,
+    ``--allow-version-mismatch`` (of ``framework``'s installed version) and ``--out``."""
+    parser.add_argument("-k", dest="keyword", help="run only the tests matching this expression")
+    parser.add_argument(
+        "--timeout", type=float, default=timeout,
+        help=f"seconds a test may take (default {timeout:g})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--deadline-minutes", type=float,
+        help="stop a variant's run after this long; the tests finished by then are compared",
+    )  # fmt: skip
+    parser.add_argument(
+        "--allow-version-mismatch", action="store_true",
+        help=f"run a source tree of another version than the installed {framework}",
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, default=out)
 
 
 def source_version(path: Path, package: str) -> str:
@@ -282,6 +304,37 @@ def _stop_group(process: subprocess.Popen[bytes]) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def compare(
+    run: argparse.Namespace,
+    *,
+    suite: str,
+    title: str,
+    source: Path,
+    plain_env: Callable[[RedisServer], dict[str, str]],
+    taskonce_env: Callable[[RedisServer], dict[str, str]],
+    pytest_args: list[str],
+    plugins: list[str],
+    parallel: bool,
+    intended: Mapping[str, str],
+) -> int:
+    """Run ``suite`` plain and with taskonce (:func:`run_variants`), then :func:`report` the
+    difference under ``title``; the exit status. ``run``: the options of
+    :func:`add_run_arguments` (``-k``, ``--out``, ``--deadline-minutes``)."""
+    if run.keyword:
+        pytest_args = [*pytest_args, "-k", run.keyword]
+    results = run_variants(
+        suite=suite,
+        source=source,
+        variants=[Variant("plain", plain_env), Variant("taskonce", taskonce_env)],
+        pytest_args=pytest_args,
+        plugins=plugins,
+        out=run.out,
+        parallel=parallel,
+        deadline_minutes=run.deadline_minutes,
+    )
+    return report(title, results, plain="plain", guarded="taskonce", out=run.out, intended=intended)
 
 
 def report(
