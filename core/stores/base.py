@@ -436,7 +436,7 @@ class StoreOperations(abc.ABC):
 
     def purge(self, batch: int = 1000) -> int:
         """Delete expired records in batches of at most ``batch``; the number deleted."""
-        return self._purge(check.check_limit("purge batch", batch))
+        return self._purge(check.check_limit("purge(batch=…)", batch))
 
     def stats(self) -> Mapping[str, int]:
         """Counts of live records: ``keys``, ``in_progress``, ``completed``, ``quarantined``,
