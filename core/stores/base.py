@@ -69,6 +69,48 @@ def encode_sends(sends: Sequence[str]) -> str | None:
     return json.dumps(list(sends)) if sends else None
 
 
+def _completion(
+    key: object,
+    owner: object,
+    keep_for: object,
+    result: object,
+    sends: object,
+    dispatch_lease: object,
+) -> tuple[str, str, float, str | None, str | None, float]:
+    """A completion's arguments checked, its sends encoded (``complete``, ``complete_in``)."""
+    return (
+        check.check_key(key),
+        check.check_token("owner", owner),
+        check.check_seconds("keep_for", keep_for),
+        check.check_result(result),
+        encode_sends(check.check_sends(sends)),
+        check.check_seconds("dispatch_lease", dispatch_lease, zero=True),
+    )
+
+
+def _marking(
+    key: object,
+    keep_for: object,
+    fingerprint: object,
+    result: object,
+    sends: object,
+    token: object,
+    dispatch_lease: object,
+) -> tuple[str, float, str | None, str | None, str | None, str, float]:
+    """A mark's arguments checked, its sends encoded (``mark``, ``mark_in``); the dispatch
+    token only matters, and is only checked, with sends."""
+    encoded = encode_sends(check.check_sends(sends))
+    return (
+        check.check_key(key),
+        check.check_seconds("keep_for", keep_for),
+        check.check_fingerprint(fingerprint),
+        check.check_result(result),
+        encoded,
+        check.check_token("token", token) if encoded else "",
+        check.check_seconds("dispatch_lease", dispatch_lease, zero=True),
+    )
+
+
 class StoreKeys(abc.ABC):
     """The keys part of the store contract: claims and marks, fenced by the owner token."""
 
@@ -149,15 +191,7 @@ class StoreKeys(abc.ABC):
         with ``owner`` as their dispatch token (see :meth:`dispatched`), which holds their
         dispatch lease for ``dispatch_lease`` seconds: a redelivery that arrives while the
         recorder publishes them waits instead of publishing them a second time."""
-        args = (
-            check.check_key(key),
-            check.check_token("owner", owner),
-            check.check_seconds("keep_for", keep_for),
-            check.check_result(result),
-            encode_sends(check.check_sends(sends)),
-            check.check_seconds("dispatch_lease", dispatch_lease, zero=True),
-        )
-        if not self._complete(*args):
+        if not self._complete(*_completion(key, owner, keep_for, result, sends, dispatch_lease)):
             raise LeaseLost(key, "complete")
 
     def release(self, key: str, owner: str | None) -> None:
@@ -198,15 +232,8 @@ class StoreKeys(abc.ABC):
         with the mark in the same atomic write, pending, with ``token`` as dispatch token
         holding their dispatch lease for ``dispatch_lease`` seconds (as in :meth:`complete`).
         """
-        encoded = encode_sends(check.check_sends(sends))
         return self._mark(
-            check.check_key(key),
-            check.check_seconds("keep_for", keep_for),
-            check.check_fingerprint(fingerprint),
-            check.check_result(result),
-            encoded,
-            check.check_token("token", token) if encoded else "",
-            check.check_seconds("dispatch_lease", dispatch_lease, zero=True),
+            *_marking(key, keep_for, fingerprint, result, sends, token, dispatch_lease)
         )
 
     def get(self, key: str) -> Record | None:
@@ -552,14 +579,7 @@ class TransactionalStore(Store):
     ) -> None:
         """:meth:`StoreKeys.complete`, written through ``session``'s transaction (not
         committed): :class:`LeaseLost` when the claim is no longer ``owner``'s."""
-        args = (
-            check.check_key(key),
-            check.check_token("owner", owner),
-            check.check_seconds("keep_for", keep_for),
-            check.check_result(result),
-            encode_sends(check.check_sends(sends)),
-            check.check_seconds("dispatch_lease", dispatch_lease, zero=True),
-        )
+        args = _completion(key, owner, keep_for, result, sends, dispatch_lease)
         if not self._complete_in(session, *args):
             raise LeaseLost(key, "complete")
 
@@ -580,16 +600,8 @@ class TransactionalStore(Store):
         (PostgreSQL, InnoDB; SQLite serialises write transactions anyway): when it commits this
         returns False — a concurrent duplicate, so the caller rolls back — and when it rolls
         back this writes the mark and returns True."""
-        encoded = encode_sends(check.check_sends(sends))
         return self._mark_in(
-            session,
-            check.check_key(key),
-            check.check_seconds("keep_for", keep_for),
-            check.check_fingerprint(fingerprint),
-            check.check_result(result),
-            encoded,
-            check.check_token("token", token) if encoded else "",
-            check.check_seconds("dispatch_lease", dispatch_lease, zero=True),
+            session, *_marking(key, keep_for, fingerprint, result, sends, token, dispatch_lease)
         )
 
     @abc.abstractmethod
