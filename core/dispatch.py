@@ -71,7 +71,7 @@ class Dispatcher:
     def warn_pending(self, batch: int) -> None:
         """Log a warning when records still have sends pending (after a purge, which keeps
         them): is a relay running?"""
-        pending = len(self.store.pending_sends(0.0, batch))
+        pending = len(self.store.due_for_relay(0.0, batch).sends)
         if pending:
             logger.warning(
                 "%s%d record(s) still have deferred sends pending and are kept, even past their "

@@ -248,7 +248,7 @@ class PendingSendsCollector:
             "Handled records whose sends are not yet published, pending for at least "
             f"{self.older_than:g} s (at most {self.limit})",
         )
-        gauge.add_metric([], len(self.store.pending_sends(self.older_than, self.limit)))
+        gauge.add_metric([], len(self.store.due_for_relay(self.older_than, self.limit).sends))
         yield gauge
 
 

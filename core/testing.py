@@ -294,7 +294,7 @@ def publish_pending(guard: Guard, *, batch: int = 100, strict: bool = True) -> i
     finally:
         guard.sinks.remove(counter)
     if strict:
-        left = guard.store.pending_sends(0.0, batch)
+        left = guard.store.due_for_relay(0.0, batch).sends
         if left:
             raise AssertionError(
                 f"{len(left)} record(s) still have sends pending after publish_pending(): "

@@ -10,7 +10,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -105,6 +105,15 @@ def make_store(kind: str, tmp_path: Any) -> Store:
     url = POSTGRES_URL if kind == "postgresql" else MARIADB_URL
     require_service(kind)
     return taskonce.open_store(url, table=f"t_{suffix}")
+
+
+def opened_store(kind: str, tmp_path: Any) -> Iterator[Store]:
+    """A fresh store of ``kind`` for a fixture to yield; what it created is dropped after."""
+    store = make_store(kind, tmp_path)
+    try:
+        yield store
+    finally:
+        drop_store(store)
 
 
 def drop_store(store: Store) -> None:

@@ -82,7 +82,7 @@ def test_sends_leave_after_the_record_in_order(store: Store, mode: str) -> None:
     assert events.count("sends_deferred") == [3] and events.count("sends_dispatched") == [3]
     record = store.get("q:m1")
     assert record is not None and not record.sends_pending and record.sends == ()
-    assert store.pending_sends(0.0) == []
+    assert store.due_for_relay(0.0).sends == []
     # a duplicate is skipped and sends nothing again
     assert guard.run("m1", "q", sender(1, 2, 3)).status == "skipped"
     assert len(broker.sent) == 3
@@ -113,7 +113,7 @@ def test_a_failed_run_sends_nothing(store: Store, mode: str) -> None:
         guard.run("m1", "q", body)
     assert broker.sent == []
     assert events.count("sends_discarded") == [2]
-    assert store.pending_sends(0.0) == []
+    assert store.due_for_relay(0.0).sends == []
     # the retry that succeeds sends its own captures once, under the same ids
     guard.run("m1", "q", sender(1, 2))
     assert [s.id for s in broker.sent] == [derive_id("q:m1", i) for i in range(2)]
@@ -176,7 +176,7 @@ def test_redelivery_publishes_pending_sends_then_skips(store: Store, mode: str) 
     assert [s.id for s in broker.sent] == [derive_id("q:m1", i) for i in range(2)]
     assert events.count("sends_redispatched") == [2]
     assert events.names()[-2:] == ["sends_redispatched", "duplicate_skipped"]
-    assert store.pending_sends(0.0) == [] and store.stats()["sends_pending"] == 0
+    assert store.due_for_relay(0.0).sends == [] and store.stats()["sends_pending"] == 0
 
 
 def test_redelivery_defers_while_another_dispatcher_holds_the_sends(store: Store) -> None:
@@ -203,7 +203,7 @@ def test_relay_publishes_stranded_sends_once(store: Store) -> None:
     assert [s.body["args"] for s in broker.sent] == [[1], [2]]
     assert events.count("sends_dispatched") == [2]
     assert guard.relay(older_than=0) == 0
-    assert store.pending_sends(0.0) == ["q:m2"]
+    assert store.due_for_relay(0.0).sends == ["q:m2"]
 
 
 def relay_threads() -> int:
@@ -285,7 +285,7 @@ def test_sql_purge_keeps_records_with_pending_sends(tmp_path: Any) -> None:
     guard.run("m2", "q", lambda: None)
     wait_for(lambda: store.stats()["expired"] == 2, timeout=5, what="both records to expire")
     assert guard.purge() == 1
-    assert store.pending_sends(0.0) == ["q:m1"]
+    assert store.due_for_relay(0.0).sends == ["q:m1"]
 
 
 def test_a_send_json_cannot_store_is_refused_at_the_send() -> None:
@@ -461,7 +461,7 @@ def test_transactional_killed_before_commit_leaves_nothing_and_reruns_once() -> 
         assert _count(store, rows) == 0
         record = store.get("q:m1")
         assert record is None or not record.sends_pending
-        assert store.pending_sends(0.0) == []
+        assert store.due_for_relay(0.0).sends == []
         # the redelivery takes the dead worker's claim over once its lease ran out
         guard, events, broker = make_guard(store, transactional=True, lease=1.0)
 
@@ -498,7 +498,7 @@ def test_background_relay_in_a_forked_child(tmp_path: Any) -> None:
         broker.failing = False
         guard.register_publisher("python", lambda send: out.write_text(send.id))
         guard.start_relay(every=0.05, older_than=0)
-        wait_for(lambda: not store.pending_sends(0.0), timeout=10, what="the child's relay")
+        wait_for(lambda: not store.due_for_relay(0.0).sends, timeout=10, what="the child's relay")
 
     try:
         process = multiprocessing.get_context("fork").Process(target=child)
@@ -506,7 +506,7 @@ def test_background_relay_in_a_forked_child(tmp_path: Any) -> None:
         process.join(30)
         assert process.exitcode == 0
         assert out.read_text() == derive_id("q:m1", 0)
-        assert store.pending_sends(0.0) == []
+        assert store.due_for_relay(0.0).sends == []
     finally:
         guard.stop_relay(timeout=5)
 

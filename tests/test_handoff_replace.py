@@ -36,14 +36,14 @@ def test_hand_over_records_apart_releases_the_claim_and_dispatch_publishes() -> 
     assert handover is not None and handover.token
     assert handoff.current() is None  # the capture ended
     assert guard.store.get("jobs:m-1") is None  # the claim released: the replacement claims
-    assert guard.store.pending_sends() == [replace.record_key("jobs:m-1")]
+    assert guard.store.due_for_relay().sends == [replace.record_key("jobs:m-1")]
     assert broker.sent == []  # nothing before the replacement is out
 
     replacement = begin(guard, replaced=1)  # the replacement: same id, same key, claims it
     assert replacement.key == "jobs:m-1"
     replace.dispatch(guard, handover)
     assert [s.id for s in broker.sent] == ids
-    assert guard.store.pending_sends() == []
+    assert guard.store.due_for_relay().sends == []
     theirs = send_two(replacement)
     assert theirs == [derive_id(id_base("jobs:m-1", 1), i) for i in range(2)]
     assert not set(theirs) & set(ids)
@@ -62,7 +62,7 @@ def test_withdraw_when_the_replacement_was_not_published() -> None:
     assert handover is not None
 
     replace.withdraw(guard, handover)
-    assert guard.store.pending_sends() == []
+    assert guard.store.due_for_relay().sends == []
     assert guard.relay(older_than=0) == 0
     assert broker.sent == []
     assert events.count("sends_discarded") == [2]

@@ -490,6 +490,6 @@ def test_outbox_rows_are_a_relay_candidate_like_any_record(world: World) -> None
     )
     with world.engine.begin() as connection:
         world.store.record_sends_in(connection, row.key, (row.text,), row.token, 60.0, 0.0)
-    assert world.store.pending_sends(0.0) == ["outbox:x"]
+    assert world.store.due_for_relay(0.0).sends == ["outbox:x"]
     assert world.guard.relay(older_than=0) == 1
     assert [s.id for s in world.broker.sent] == ["i"]

@@ -284,7 +284,7 @@ class Counting:
 
     def __init__(self, store: Store) -> None:
         self.calls: list[str] = []
-        for name in ("due_for_relay", "pending_sends", "take_sends", "take_receipts", "get"):
+        for name in ("due_for_relay", "take_sends", "take_receipts", "get"):
             setattr(store, name, self._wrap(name, getattr(store, name)))
 
     def _wrap(self, name: str, method: Any) -> Any:

@@ -232,7 +232,7 @@ def machine_for(kind: str) -> type[RuleBasedStateMachine]:
             assert stats["quarantined"] == quarantined
             assert stats["completed"] == len(self.model) - in_progress - quarantined
             assert stats["sends_pending"] == len(self.sends)
-            assert sorted(self.store.pending_sends(0.0, 10)) == sorted(self.sends)
+            assert sorted(self.store.due_for_relay(0.0, 10).sends) == sorted(self.sends)
             awaited = [k for k, r in self.receipts.items() if r[1] is not None]
             assert stats["receipts_awaited"] == len(awaited)
             due = self.store.due_for_relay(0.0, 10)

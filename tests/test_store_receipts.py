@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from taskonce.errors import LeaseLost
+from taskonce.errors import InvalidInput, LeaseLost
 from taskonce.stores import Awaiting, ClaimOutcome, ReceiptLease, SendLease, Status, Store
 from taskonce.stores.base import State
 from tests.helpers import (
@@ -85,7 +85,7 @@ def test_dispatched_with_awaiting_keeps_the_entries_until_due(store: Store) -> N
         assert record.receipts == entries(child)
         assert not record.sends_pending and record.sends == ()
         assert (record.fingerprint, record.result) == ("fp", '{"r":"x|y"}')
-    assert store.pending_sends() == []
+    assert store.due_for_relay().sends == []
     wait_for(lambda: len(store.due_for_relay(0.0, 10).receipts) == 2, timeout=10, what="due")
     assert sorted(store.due_for_relay(0.0, 10).receipts) == ["q:eager", "q:lazy"]
     assert store.due_for_relay(0.0, 10).sends == []
@@ -105,7 +105,9 @@ def test_dispatched_with_awaiting_is_fenced_by_the_dispatch_token(store: Store) 
     assert store.due_for_relay(0.0, 10).receipts == ["q:k"]
     # a record without sends awaits nothing
     store.mark("q:plain", DAY, None, None)
-    assert not store.dispatched("q:plain", "", awaiting(0))
+    assert not store.dispatched("q:plain", "t", awaiting(0))
+    with pytest.raises(InvalidInput, match="token '' must be a non-empty string"):
+        store.dispatched("q:plain", "", awaiting(0))  # no token is ever empty
     assert store.take_receipts("q:plain", "relay", 30) == ReceiptLease()
 
 

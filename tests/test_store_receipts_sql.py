@@ -67,7 +67,7 @@ def test_dispatched_with_awaiting_keeps_the_entries_and_lets_the_lease_go(store:
     assert not record.sends_pending and record.sends == ()
     assert record.receipts == ENTRIES
     # its due time is in sends_at, yet it has no sends pending to anything that means those
-    assert store.pending_sends() == [] and store.due_for_relay().sends == []
+    assert store.due_for_relay().sends == [] and store.due_for_relay().sends == []
     assert store.stats()["sends_pending"] == 0 and store.stats()["receipts_awaited"] == 1
     assert store.take_sends("q:a", "t2", 30).sends == ()
     assert not store.dispatched("q:a", "t1")
@@ -88,7 +88,7 @@ def test_pending_sends_are_not_receipts(store: Store) -> None:
     assert store.stats()["receipts_awaited"] == 0
     time.sleep(0.5)
     assert store.purge() == 0
-    assert store.pending_sends() == ["q:a"]
+    assert store.due_for_relay().sends == ["q:a"]
 
 
 def test_an_awaiting_record_that_expired_is_purged(store: Store) -> None:
@@ -125,14 +125,14 @@ def test_due_for_relay_lists_both_halves_oldest_first_within_the_limit(store: St
     for name, due in (("r2", -2.0), ("r1", -3.0), ("r3", -1.0), ("later", 60.0)):
         awaiting(store, f"q:{name}", due)
     due = store.due_for_relay()
-    assert due.sends == store.pending_sends() == ["q:s1", "q:s2"]
+    assert due.sends == store.due_for_relay().sends == ["q:s1", "q:s2"]
     assert due.receipts == ["q:r1", "q:r2", "q:r3"]  # earliest due first; q:later not yet
     limited = store.due_for_relay(limit=1)
-    assert limited.sends == store.pending_sends(limit=1) == ["q:s1"]
+    assert limited.sends == store.due_for_relay(limit=1).sends == ["q:s1"]
     assert limited.receipts == ["q:r1"]
     # older_than applies to the sends only, as pending_sends
     old = store.due_for_relay(older_than=3600)
-    assert old.sends == store.pending_sends(older_than=3600) == []
+    assert old.sends == store.due_for_relay(older_than=3600).sends == []
     assert old.receipts == ["q:r1", "q:r2", "q:r3"]
     assert store.stats()["receipts_awaited"] == 4
     assert store.stats()["sends_pending"] == 2

@@ -63,10 +63,10 @@ def test_a_refused_write_records_no_sends(store: Store) -> None:
     store.claim("q:k", "o1", 60, 600, None)
     with pytest.raises(LeaseLost):
         store.complete("q:k", "intruder", 600, None, SENDS)
-    assert store.pending_sends() == []
+    assert store.due_for_relay().sends == []
     store.mark("q:m", 600, None, None)
     assert store.mark("q:m", 600, None, None, SENDS, "t") is False
-    assert store.pending_sends() == []
+    assert store.due_for_relay().sends == []
 
 
 def test_dispatch_lease_fences_dispatchers(store: Store) -> None:
@@ -106,9 +106,9 @@ def test_relay_listing_oldest_first_and_by_age(store: Store) -> None:
         store.mark(name, 600, None, None, SENDS, "t")
         time.sleep(0.01)
     store.mark("q:none", 600, None, None)
-    assert store.pending_sends(0.0, 10) == ["q:a", "q:b", "q:c"]
-    assert store.pending_sends(0.0, 2) == ["q:a", "q:b"]
-    assert store.pending_sends(3600, 10) == []
+    assert store.due_for_relay(0.0, 10).sends == ["q:a", "q:b", "q:c"]
+    assert store.due_for_relay(0.0, 2).sends == ["q:a", "q:b"]
+    assert store.due_for_relay(3600, 10).sends == []
     assert store.take_sends("q:a", "r", 30, older_than=3600).sends == ()  # too recent
     assert store.take_sends("q:a", "r", 30, older_than=0).sends == SENDS
 
@@ -131,7 +131,7 @@ def test_purge_keeps_expired_records_with_pending_sends(kind: str, tmp_path: Any
     store.mark("q:plain", 0.05, None, None)
     wait_for(lambda: store.stats()["expired"] == 2, timeout=5, what="both to expire")
     assert store.purge() == 1
-    assert store.pending_sends() == ["q:pending"]
+    assert store.due_for_relay().sends == ["q:pending"]
     assert store.get("q:pending") is None  # expired: a new delivery of the key may run
     lease = store.take_sends("q:pending", "relay", 30)
     assert lease.sends == SENDS and store.dispatched("q:pending", "relay")

@@ -1,4 +1,4 @@
-"""The store contract: what every store (memory, Redis, SQL) implements.
+"""The store contract: what every store (memory, Redis, SQL, Django's) offers, in two layers.
 
 A record is one key's state. A *claim* (status ``IN_PROGRESS``) carries an owner token and a
 lease judged by the store's own clock; a *mark* (status ``COMPLETED``) says the key was handled
@@ -11,194 +11,109 @@ computed by the store at read time so callers never compare their own clock with
 A claim also records its owner's *worker identity* (:mod:`taskonce.worker`), and each worker
 process keeps a short-lived *liveness record* in the store (:meth:`StoreLiveness.beat`), so a claim
 whose owner is known dead can be taken over (:meth:`StoreKeys.take_over`) before its lease runs out.
+
+**The two layers.** The public methods are written here, once, for every store: they check
+their arguments (:mod:`.arguments`: the same limits and the same error text on every store),
+encode the sends they record and decode those they hand back, turn a refused fenced write into
+:class:`~taskonce.errors.LeaseLost`, filter liveness records by :data:`LIVENESS_RETENTION` and
+build the counts and scans the CLI reads. Each store implements the ``_primitive`` methods
+below them: each is **one atomic step on its server, judged by the server's clock** (one Lua
+script, one statement or an optimistic retry of one, one critical section under a lock).
+The rules that keep the layers honest:
+
+- A public method never reads before a write: whatever a write depends on is decided inside
+  the primitive's one atomic step, never by a read the wrapper made before it (which another
+  worker could make stale).
+- :class:`~taskonce.errors.LeaseLost` comes only from a primitive's answer (a fenced write
+  that answers False), never from a read.
+- ``complete`` raises where ``mark`` answers False: a completion whose claim is gone lost its
+  lease; a mark that finds a live record found a concurrent duplicate, which is an answer.
+- A primitive gets its arguments checked: it never validates them again (it may convert them
+  to its server's units).
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
-import enum
+import json
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from taskonce.errors import InvalidInput, LeaseLost
+from taskonce.stores import arguments as check
+from taskonce.stores.answers import (
+    LIVENESS_RETENTION,
+    MAX_KEY_LENGTH,
+    MAX_TOKEN_LENGTH,
+    MAX_WORKER_LENGTH,
+    Awaiting,
+    Claim,
+    ClaimOutcome,
+    DueForRelay,
+    ReceiptLease,
+    Record,
+    Seen,
+    SendLease,
+    State,
+    Status,
+    StrEnum,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
     from sqlalchemy.orm import Session
 
-#: Keys longer than this are refused (an index on a VARCHAR(255) column and readable logs).
-MAX_KEY_LENGTH = 255
-#: Worker identities longer than this are refused (they fit a VARCHAR(255) column).
-MAX_WORKER_LENGTH = 255
-#: Seconds a lapsed liveness record is kept, so a takeover can tell how long its owner was
-#: silent; after that the store may forget it.
-LIVENESS_RETENTION = 3600.0
+
+def encode_sends(sends: Sequence[str]) -> str | None:
+    """The sends a write records, as the one JSON array text every store keeps; None for none."""
+    return json.dumps(list(sends)) if sends else None
 
 
-class StrEnum(str, enum.Enum):
-    """A ``str`` enum whose members are their values wherever text is: formatted, hashed,
-    compared and written to JSON, a member is exactly its value (Python 3.10's stand-in for
-    :class:`enum.StrEnum`). Stores' stored states and :attr:`Record.state` are these, so what
-    they write and print stays byte-for-byte the same."""
-
-    def __str__(self) -> str:
-        return str.__str__(self)
-
-    def __format__(self, spec: str) -> str:
-        return str.__format__(self, spec)
-
-    def __hash__(self) -> int:
-        return str.__hash__(self)
-
-
-class Status(str, enum.Enum):
-    """The state of a key in a store: a claim, a handled key, or a quarantined key (its
-    owners died ``crash_limit`` times running it). (Each store keeps its own spelling of it,
-    with another value for a handled key whose sends are pending, and turns it into this in
-    one place.)"""
-
-    IN_PROGRESS = "in_progress"
-    COMPLETED = "completed"
-    QUARANTINED = "quarantined"
+def _completion(
+    key: object,
+    owner: object,
+    keep_for: object,
+    result: object,
+    sends: object,
+    dispatch_lease: object,
+) -> tuple[str, str, float, str | None, str | None, float]:
+    """A completion's arguments checked, its sends encoded (``complete``, ``complete_in``)."""
+    return (
+        check.check_key(key),
+        check.check_token("owner", owner),
+        check.check_seconds("keep_for", keep_for),
+        check.check_result(result),
+        encode_sends(check.check_sends(sends)),
+        check.check_seconds("dispatch_lease", dispatch_lease, zero=True),
+    )
 
 
-class State(StrEnum):
-    """A record in the docs' words (:attr:`Record.state`)."""
-
-    #: a claim: the key is being processed (eager)
-    CLAIMED = "claimed"
-    #: an eager claim that was completed
-    COMPLETED = "completed"
-    #: a lazy mark: the key was handled, never claimed
-    MARKED = "marked"
-    #: a key whose owners died too often: not run again until released
-    QUARANTINED = "quarantined"
-
-
-class ClaimOutcome(str, enum.Enum):
-    """What :meth:`StoreKeys.claim` did."""
-
-    CLAIMED = "claimed"  # nothing (live) was recorded; the key is now ours
-    TAKEN_OVER = "taken_over"  # an expired claim of another owner is now ours (crashes + 1)
-    EXISTS = "exists"  # a live claim, a mark, or a record with another fingerprint; see record
-
-
-@dataclasses.dataclass(frozen=True)
-class Record:
-    """One key's state as the store holds it."""
-
-    key: str
-    status: Status
-    owner: str | None
-    fingerprint: str | None
-    result: str | None  # JSON text, when the policy stores results
-    created_at: float  # first claim or mark, store clock
-    expires_at: float  # when the store may forget the record
-    lease_remaining: float  # seconds left on a claim's lease (0 for marks and expired leases)
-    worker: str | None = None  # the claim owner's worker identity (None on marks, old claims)
-    # A completed record written by a lazy mark (the key was never claimed), as opposed to an
-    # eager claim that was completed; stores tell them apart by the lease a completion keeps.
-    marked: bool = False
-
-    @property
-    def state(self) -> State:
-        """The record in the docs' words: ``claimed``, ``completed`` (eager), ``marked``
-        (lazy) or ``quarantined``."""
-        if self.status is Status.IN_PROGRESS:
-            return State.CLAIMED
-        if self.status is Status.QUARANTINED:
-            return State.QUARANTINED
-        return State.MARKED if self.marked else State.COMPLETED
-
-    #: a handled record whose deferred sends are not all published yet (the hand-off)
-    sends_pending: bool = False
-    #: those sends (JSON texts, in send order) when the read returns them (``get`` does)
-    sends: tuple[str, ...] = ()
-    #: sends published and awaiting their receipts, or given up on (:mod:`taskonce.receipts`'s
-    #: JSON text), when the read returns them (``get`` does)
-    receipts: str | None = None
-    #: how many times a claim of this key was taken over from a dead, silent or expired owner
-    #: (claims and quarantined records keep it; a completion or a release forgets it)
-    crashes: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["status"] = self.status.value
-        data["state"] = self.state
-        return data
-
-
-@dataclasses.dataclass(frozen=True)
-class Seen:
-    """A worker's liveness record as :meth:`StoreLiveness.seen` reads it, by the store's clock."""
-
-    ago: float  # seconds since the worker's last liveness write
-    remaining: float  # seconds until the record lapses; 0 once it has (the worker is silent)
-
-
-@dataclasses.dataclass(frozen=True)
-class SendLease:
-    """The answer of :meth:`StoreSends.take_sends`."""
-
-    sends: tuple[str, ...] = ()
-    #: > 0 when another dispatcher holds the lease: seconds until it runs out
-    retry_after: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Awaiting:
-    """Published sends awaiting their receipts, as a record keeps them
-    (:meth:`StoreSends.dispatched`, :meth:`StoreReceipts.settle_receipts`).
-
-    :param entries: what awaits, as :mod:`taskonce.receipts` writes it (JSON text; the store
-        keeps it as it is).
-    :param due: seconds from now (store clock) until the relay should look at them; None when
-        none is awaited any more (only given-up ones are kept, for ``taskonce inspect``): the
-        record leaves the receipts index.
-    :param keep_at_least: keep the record at least this many seconds from now (a record whose expiry
-        is later keeps it).
-    """
-
-    entries: str
-    due: float | None
-    keep_at_least: float
-
-
-@dataclasses.dataclass(frozen=True)
-class ReceiptLease:
-    """The answer of :meth:`StoreReceipts.take_receipts`."""
-
-    #: the awaiting entries (:attr:`Awaiting.entries`), None when there was nothing due to take
-    entries: str | None = None
-    #: seconds the record is past its due time (store clock), when taken
-    late: float = 0.0
-    #: > 0 when another relay holds them: seconds until its lease runs out
-    retry_after: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class DueForRelay:
-    """The answer of :meth:`StoreReceipts.due_for_relay`: the relay's work, oldest first."""
-
-    #: keys whose sends have been pending at least ``older_than`` seconds
-    sends: list[str]
-    #: keys whose awaited receipts are due to be looked for
-    receipts: list[str]
-
-
-@dataclasses.dataclass(frozen=True)
-class Claim:
-    """The answer of :meth:`StoreKeys.claim`: what happened, and the record found when it exists."""
-
-    outcome: ClaimOutcome
-    record: Record | None = None
-    #: ``TAKEN_OVER``: the key's take-overs from dead, silent or expired owners, this one too
-    crashes: int = 0
+def _marking(
+    key: object,
+    keep_for: object,
+    fingerprint: object,
+    result: object,
+    sends: object,
+    token: object,
+    dispatch_lease: object,
+) -> tuple[str, float, str | None, str | None, str | None, str, float]:
+    """A mark's arguments checked, its sends encoded (``mark``, ``mark_in``); the dispatch
+    token only matters, and is only checked, with sends."""
+    encoded = encode_sends(check.check_sends(sends))
+    return (
+        check.check_key(key),
+        check.check_seconds("keep_for", keep_for),
+        check.check_fingerprint(fingerprint),
+        check.check_result(result),
+        encoded,
+        check.check_token("token", token) if encoded else "",
+        check.check_seconds("dispatch_lease", dispatch_lease, zero=True),
+    )
 
 
 class StoreKeys(abc.ABC):
     """The keys part of the store contract: claims and marks, fenced by the owner token."""
 
-    @abc.abstractmethod
     def claim(
         self,
         key: str,
@@ -217,8 +132,15 @@ class StoreKeys(abc.ABC):
         changes nothing and returns the record found (a quarantined record is never claimed).
         The claim record lives for ``lease + keep_for`` so a dead worker's claim stays visible.
         """
+        return self._claim(
+            check.check_key(key),
+            check.check_token("owner", owner),
+            check.check_seconds("lease", lease),
+            check.check_seconds("keep_for", keep_for),
+            check.check_fingerprint(fingerprint),
+            check.check_worker(worker, optional=True),
+        )
 
-    @abc.abstractmethod
     def take_over(
         self, key: str, old_owner: str, owner: str, lease: float, keep_for: float, worker: str
     ) -> int:
@@ -231,15 +153,28 @@ class StoreKeys(abc.ABC):
         completed or released it first). The fingerprint and ``created_at`` are kept; the
         record lives ``lease + keep_for`` from now.
         """
+        return self._take_over(
+            check.check_key(key),
+            check.check_token("old_owner", old_owner),
+            check.check_token("owner", owner),
+            check.check_seconds("lease", lease),
+            check.check_seconds("keep_for", keep_for),
+            str(check.check_worker(worker)),
+        )
 
-    @abc.abstractmethod
     def quarantine(self, key: str, owner: str, keep_for: float) -> None:
         """Turn ``owner``'s claim into a quarantined record kept ``keep_for`` seconds (its
         fingerprint, ``created_at`` and take-over count kept): a claim that would not be run,
         because its owners died too often. :class:`LeaseLost` if the claim is no longer
         ``owner``'s. Only an operator's :meth:`release` (``owner=None``) removes it early."""
+        args = (
+            check.check_key(key),
+            check.check_token("owner", owner),
+            check.check_seconds("keep_for", keep_for),
+        )
+        if not self._quarantine(*args):
+            raise LeaseLost(key, "quarantine")
 
-    @abc.abstractmethod
     def complete(
         self,
         key: str,
@@ -256,19 +191,30 @@ class StoreKeys(abc.ABC):
         with ``owner`` as their dispatch token (see :meth:`dispatched`), which holds their
         dispatch lease for ``dispatch_lease`` seconds: a redelivery that arrives while the
         recorder publishes them waits instead of publishing them a second time."""
+        if not self._complete(*_completion(key, owner, keep_for, result, sends, dispatch_lease)):
+            raise LeaseLost(key, "complete")
 
-    @abc.abstractmethod
     def release(self, key: str, owner: str | None) -> None:
         """Delete ``owner``'s claim so a retry can claim again; :class:`LeaseLost` if it is no
         longer ``owner``'s. ``owner=None`` is an operator's release: it deletes whatever is
-        recorded and never raises."""
+        recorded (pending sends and awaited receipts with it) and never raises."""
+        check.check_key(key)
+        if owner is None:
+            self._forget(key)
+        elif not self._release(key, check.check_token("owner", owner)):
+            raise LeaseLost(key, "release")
 
-    @abc.abstractmethod
     def renew(self, key: str, owner: str, lease: float) -> None:
         """Extend ``owner``'s lease to ``lease`` seconds from now; :class:`LeaseLost` if the
         claim is no longer ``owner``'s."""
+        args = (
+            check.check_key(key),
+            check.check_token("owner", owner),
+            check.check_seconds("lease", lease),
+        )
+        if not self._renew(*args):
+            raise LeaseLost(key, "renew")
 
-    @abc.abstractmethod
     def mark(
         self,
         key: str,
@@ -286,41 +232,134 @@ class StoreKeys(abc.ABC):
         with the mark in the same atomic write, pending, with ``token`` as dispatch token
         holding their dispatch lease for ``dispatch_lease`` seconds (as in :meth:`complete`).
         """
+        return self._mark(
+            *_marking(key, keep_for, fingerprint, result, sends, token, dispatch_lease)
+        )
 
-    @abc.abstractmethod
     def get(self, key: str) -> Record | None:
         """The live record of ``key``, or None (expired marks count as absent)."""
+        return self._get(check.check_key(key))
+
+    # -- the primitives: one atomic step each, judged by the server's clock ------------------
+
+    @abc.abstractmethod
+    def _claim(
+        self,
+        key: str,
+        owner: str,
+        lease: float,
+        keep_for: float,
+        fingerprint: str | None,
+        worker: str | None,
+    ) -> Claim:
+        """:meth:`claim`: insert if absent, else take over an expired claim of the same
+        payload, else answer with the record found."""
+
+    @abc.abstractmethod
+    def _take_over(
+        self, key: str, old_owner: str, owner: str, lease: float, keep_for: float, worker: str
+    ) -> int:
+        """:meth:`take_over`, fenced by ``old_owner``: the take-over count, or 0."""
+
+    @abc.abstractmethod
+    def _quarantine(self, key: str, owner: str, keep_for: float) -> bool:
+        """:meth:`quarantine`, fenced by ``owner``: False when the claim is not ``owner``'s."""
+
+    @abc.abstractmethod
+    def _complete(
+        self,
+        key: str,
+        owner: str,
+        keep_for: float,
+        result: str | None,
+        sends: str | None,
+        dispatch_lease: float,
+    ) -> bool:
+        """:meth:`complete` with ``sends`` encoded (:func:`encode_sends`), fenced by ``owner``:
+        False when the claim is not ``owner``'s."""
+
+    @abc.abstractmethod
+    def _release(self, key: str, owner: str) -> bool:
+        """Delete ``owner``'s claim, fenced: False when the claim is not ``owner``'s."""
+
+    @abc.abstractmethod
+    def _forget(self, key: str) -> None:
+        """Delete whatever ``key`` records, unfenced (an operator's release), with its entries
+        in any index."""
+
+    @abc.abstractmethod
+    def _renew(self, key: str, owner: str, lease: float) -> bool:
+        """:meth:`renew`, fenced by ``owner``: False when the claim is not ``owner``'s."""
+
+    @abc.abstractmethod
+    def _mark(
+        self,
+        key: str,
+        keep_for: float,
+        fingerprint: str | None,
+        result: str | None,
+        sends: str | None,
+        token: str,
+        dispatch_lease: float,
+    ) -> bool:
+        """:meth:`mark` with ``sends`` encoded: False when a live record exists."""
+
+    @abc.abstractmethod
+    def _get(self, key: str) -> Record | None:
+        """:meth:`get`."""
 
 
 class StoreLiveness(abc.ABC):
     """The liveness part of the store contract: each worker process's record of being alive,
     so a claim whose owner is known dead is taken over before its lease runs out."""
 
-    @abc.abstractmethod
     def beat(self, worker: str, ttl: float) -> None:
         """Write ``worker``'s liveness record: seen now, alive for ``ttl`` seconds (store
         clock). The record is kept a while after it lapses so :meth:`seen` can tell how long a
         silent worker has been silent."""
+        self._beat(str(check.check_worker(worker)), check.check_seconds("ttl", ttl))
 
-    @abc.abstractmethod
     def seen(self, worker: str) -> Seen | None:
         """``worker``'s liveness record, or None when it has none (never written, or forgotten
-        long after it lapsed)."""
+        :data:`LIVENESS_RETENTION` seconds after it lapsed)."""
+        found = self._seen(str(check.check_worker(worker)))
+        if found is None:
+            return None
+        ago, remaining = found
+        if remaining + LIVENESS_RETENTION <= 0:
+            return None
+        return Seen(ago=max(0.0, ago), remaining=max(0.0, remaining))
+
+    @abc.abstractmethod
+    def _beat(self, worker: str, ttl: float) -> None:
+        """:meth:`beat`: the record kept at least :data:`LIVENESS_RETENTION` after it lapses."""
+
+    @abc.abstractmethod
+    def _seen(self, worker: str) -> tuple[float, float] | None:
+        """``worker``'s record as (seconds since its last write, seconds until it lapses,
+        negative once it has), or None when there is none."""
 
 
 class StoreSends(abc.ABC):
     """The hand-off part of the store contract: sends recorded with the outcome
     (:meth:`StoreKeys.complete`, :meth:`StoreKeys.mark`), then taken, published and cleared."""
 
-    @abc.abstractmethod
     def take_sends(self, key: str, token: str, lease: float, older_than: float = 0.0) -> SendLease:
         """Take the dispatch lease of ``key``'s pending sends for ``lease`` seconds under
         ``token``, if they were recorded at least ``older_than`` seconds ago and no other
         dispatcher holds a live lease. Returns the sends (empty when none are pending or the
         lease is held elsewhere, then with ``retry_after`` = the lease's remaining time).
         The lease's holder may take it again: to renew it, or with ``lease=0`` to let it go."""
+        sends, retry_after = self._take_sends(
+            check.check_key(key),
+            check.check_token("token", token),
+            check.check_seconds("lease", lease, zero=True),
+            check.check_seconds("older_than", older_than, zero=True),
+        )
+        if sends:
+            return SendLease(tuple(json.loads(sends)))
+        return SendLease(retry_after=max(0.0, retry_after))
 
-    @abc.abstractmethod
     def dispatched(self, key: str, token: str, awaiting: Awaiting | None = None) -> bool:
         """Record ``key``'s pending sends as published (fenced: only while ``token`` is still
         their dispatch token). True when this call cleared them.
@@ -328,11 +367,20 @@ class StoreSends(abc.ABC):
         With ``awaiting``, in the same atomic write, the record keeps those entries and joins
         the receipts index, due ``awaiting.due`` seconds from now, its dispatch lease let go,
         and is kept at least ``awaiting.keep_at_least`` seconds (:class:`StoreReceipts`)."""
+        return self._dispatched(
+            check.check_key(key), check.check_token("token", token), check.check_awaiting(awaiting)
+        )
 
     @abc.abstractmethod
-    def pending_sends(self, older_than: float = 0.0, limit: int = 100) -> list[str]:
-        """Keys whose sends have been pending for at least ``older_than`` seconds, oldest
-        first, at most ``limit`` (candidates for the relay)."""
+    def _take_sends(
+        self, key: str, token: str, lease: float, older_than: float
+    ) -> tuple[str | None, float]:
+        """:meth:`take_sends`: the sends' JSON array text when taken, else None and the
+        seconds the other holder's lease has left (0 when none are pending)."""
+
+    @abc.abstractmethod
+    def _dispatched(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
+        """:meth:`dispatched`, fenced by ``token``."""
 
 
 class StoreReceipts(abc.ABC):
@@ -342,67 +390,117 @@ class StoreReceipts(abc.ABC):
     two share its dispatch token and lease. Records that await receipts are found by an index
     ordered by due time, never by a scan."""
 
-    @abc.abstractmethod
     def take_receipts(self, key: str, token: str, lease: float) -> ReceiptLease:
         """Take ``key``'s awaiting entries for ``lease`` seconds under ``token`` if they are
         due (store clock) and no other relay holds a live lease: the entries and how late they
         are. Nothing (``entries`` None) when none are awaited, they are not due yet, or they
         were given up on; with ``retry_after`` when another relay holds them."""
+        return self._take_receipts(
+            check.check_key(key),
+            check.check_token("token", token),
+            check.check_seconds("lease", lease, zero=True),
+        )
 
-    @abc.abstractmethod
     def settle_receipts(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
         """Write back what still awaits (fenced by ``token``): ``awaiting``'s entries, due
         ``awaiting.due`` seconds from now (or out of the index when None), the lease let go,
         the record kept at least ``awaiting.keep_at_least`` seconds; None clears them (every receipt
         came). True when written."""
+        return self._settle_receipts(
+            check.check_key(key), check.check_token("token", token), check.check_awaiting(awaiting)
+        )
 
-    @abc.abstractmethod
     def have_records(self, keys: Sequence[str]) -> list[bool]:
         """For each of ``keys``, whether a live record of it exists (claimed, completed or
         marked): the receipts. One round trip."""
+        wanted = check.check_keys(keys)
+        if not wanted:
+            return []
+        found = self._live_keys(list(dict.fromkeys(wanted)))
+        return [key in found for key in wanted]
 
-    @abc.abstractmethod
     def due_for_relay(self, older_than: float = 0.0, limit: int = 100) -> DueForRelay:
         """The relay's work in one round trip: at most ``limit`` keys whose sends have been
-        pending at least ``older_than`` seconds (as :meth:`StoreSends.pending_sends`) and at
-        most ``limit`` whose receipts are due, each oldest (earliest due) first."""
+        pending at least ``older_than`` seconds and at most ``limit`` whose receipts are due,
+        each oldest (earliest due) first."""
+        return self._due_for_relay(
+            check.check_seconds("older_than", older_than, zero=True),
+            check.check_limit("limit", limit),
+        )
+
+    @abc.abstractmethod
+    def _take_receipts(self, key: str, token: str, lease: float) -> ReceiptLease:
+        """:meth:`take_receipts`."""
+
+    @abc.abstractmethod
+    def _settle_receipts(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
+        """:meth:`settle_receipts`, fenced by ``token``."""
+
+    @abc.abstractmethod
+    def _live_keys(self, keys: list[str]) -> set[str]:
+        """Which of ``keys`` (distinct) have a live record, in one round trip."""
+
+    @abc.abstractmethod
+    def _due_for_relay(self, older_than: float, limit: int) -> DueForRelay:
+        """:meth:`due_for_relay`."""
+
+
+#: the counts of :meth:`StoreOperations.stats`, each 0 to begin with
+STATS = (
+    "keys",
+    "in_progress",
+    "completed",
+    "quarantined",
+    "expired",
+    "sends_pending",
+    "receipts_awaited",
+)
 
 
 class StoreOperations(abc.ABC):
     """The operations part of the store contract: maintenance, monitoring and the CLI's scans,
     closing, and a description for logs."""
 
-    @abc.abstractmethod
     def purge(self, batch: int = 1000) -> int:
         """Delete expired records in batches of at most ``batch``; the number deleted."""
+        return self._purge(check.check_limit("purge(batch=…)", batch))
 
-    @abc.abstractmethod
     def stats(self) -> Mapping[str, int]:
         """Counts of live records: ``keys``, ``in_progress``, ``completed``, ``quarantined``,
-        ``expired``, ``sends_pending``: records whose deferred sends are not all published, and
-        ``receipts_awaited``: records with published sends whose receipts are awaited."""
+        ``expired`` (records past their expiry that :meth:`purge` would delete),
+        ``sends_pending``: records whose deferred sends are not all published, and
+        ``receipts_awaited``: records with published sends whose receipts are awaited.
+
+        One scan of the records (:meth:`records`: for the CLI and monitoring, not hot paths)."""
+        counts = dict.fromkeys(STATS, 0)
+        for record in self._records("", "", None):
+            counts["keys"] += 1
+            counts[record.status.value] += 1
+            counts["sends_pending"] += record.sends_pending
+            counts["receipts_awaited"] += record.receipts_awaited
+        # records past their expiry, kept for their pending sends, count as pending too
+        counts["expired"], expired_sending = self._expired()
+        counts["sends_pending"] += expired_sending
+        return counts
 
     def records(self, key_prefix: str = "") -> Iterator[Record]:
         """The live records whose key starts with ``key_prefix``, in no particular order
         (a scan for the CLI and monitoring, not for hot paths)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot list its records")
+        return iter(self._records(check.check_text("key_prefix", key_prefix), "", None))
 
     def keys_ending(self, suffix: str, limit: int = 5) -> list[str]:
         """At most ``limit`` keys of live records that end with ``suffix``, in no particular
         order: the CLI's suggestions when a key has no record (``:<id>`` finds a message id on
-        every queue). A scan like :meth:`records`, not for hot paths; stores override it with
-        one that stops at ``limit``."""
-        found: list[str] = []
-        for record in self.records():
-            if len(found) >= limit:
-                break
-            if record.key.endswith(suffix):
-                found.append(record.key)
-        return found
+        every queue). A scan like :meth:`records`, not for hot paths."""
+        ending = check.check_text("suffix", suffix)
+        wanted = check.check_limit("limit", limit, minimum=0)
+        if not wanted:
+            return []
+        return [record.key for record in self._records("", ending, wanted)]
 
-    @abc.abstractmethod
     def close(self) -> None:
         """Release connections; the store is not used afterwards."""
+        self._close()
 
     def describe(self) -> str:
         """A one-line description for logs and the CLI, never containing a password."""
@@ -413,16 +511,36 @@ class StoreOperations(abc.ABC):
         up for taskonce in a way no wait can mend (a Django database not migrated)."""
         return  # every store but Django's is ready once it answers
 
+    @abc.abstractmethod
+    def _purge(self, batch: int) -> int:
+        """:meth:`purge`: expired records deleted (a record with sends pending is kept), and
+        liveness records forgotten :data:`LIVENESS_RETENTION` after they lapsed."""
+
+    @abc.abstractmethod
+    def _records(self, key_prefix: str, key_suffix: str, limit: int | None) -> list[Record]:
+        """The live records whose key starts with ``key_prefix`` and ends with
+        ``key_suffix``, at most ``limit`` of them (None: all)."""
+
+    @abc.abstractmethod
+    def _expired(self) -> tuple[int, int]:
+        """How many records are past their expiry and still held, and how many of those are
+        kept for their pending sends (0, 0 where the server deletes expired records itself)."""
+
+    @abc.abstractmethod
+    def _close(self) -> None:
+        """:meth:`close`."""
+
 
 class Store(StoreKeys, StoreLiveness, StoreSends, StoreReceipts, StoreOperations):
-    """A place to record claims and marks. Implementations: memory, Redis, SQL.
+    """A place to record claims and marks. Implementations: memory, Redis, SQL, Django's.
 
     The contract in five parts: :class:`StoreKeys` (claim, take_over, quarantine, complete,
     release, renew, mark, get), :class:`StoreLiveness` (beat, seen), :class:`StoreSends`
-    (take_sends, dispatched, pending_sends), :class:`StoreReceipts` (take_receipts,
-    settle_receipts, have_records, due_for_relay) and :class:`StoreOperations` (purge, stats,
-    records, keys_ending, close, describe). Stores that can write inside the caller's database
-    transaction also implement :class:`TransactionalStore`.
+    (take_sends, dispatched), :class:`StoreReceipts` (take_receipts, settle_receipts,
+    have_records, due_for_relay) and :class:`StoreOperations` (purge, stats, records,
+    keys_ending, close, describe). Each part's public methods are written once, over its
+    ``_primitive`` methods (the module's documentation). Stores that can write inside the
+    caller's database transaction also implement :class:`TransactionalStore`.
 
     Stores are opened in a parent process and used in forked children (Celery prefork,
     Dramatiq worker processes): no connection, pool or lock may cross a fork.
@@ -442,14 +560,13 @@ class TransactionalStore(Store):
     """A store that can write its records inside the caller's database transaction: the
     transactional mode (the mark commits with the handler's writes) and the producer outbox
     (sends commit with the application's rows). The guard and the outbox check for it with
-    ``isinstance``. Implementations: the SQL store."""
+    ``isinstance``. Implementations: the SQL store and Django's."""
 
     @abc.abstractmethod
     def open_session(self) -> Session:
         """A session on the store's database, its transaction begun: the handler writes through
         it and :meth:`complete_in` / :meth:`mark_in` add the record; the caller commits."""
 
-    @abc.abstractmethod
     def complete_in(
         self,
         session: Session,
@@ -460,9 +577,12 @@ class TransactionalStore(Store):
         sends: Sequence[str] = (),
         dispatch_lease: float = 0.0,
     ) -> None:
-        """:meth:`StoreKeys.complete`, written through ``session``'s transaction (not committed)."""
+        """:meth:`StoreKeys.complete`, written through ``session``'s transaction (not
+        committed): :class:`LeaseLost` when the claim is no longer ``owner``'s."""
+        args = _completion(key, owner, keep_for, result, sends, dispatch_lease)
+        if not self._complete_in(session, *args):
+            raise LeaseLost(key, "complete")
 
-    @abc.abstractmethod
     def mark_in(
         self,
         session: Session,
@@ -474,14 +594,21 @@ class TransactionalStore(Store):
         token: str = "",
         dispatch_lease: float = 0.0,
     ) -> bool:
-        """:meth:`StoreKeys.mark`, written through ``session``'s transaction (not committed)."""
+        """:meth:`StoreKeys.mark`, written through ``session``'s transaction (not committed).
+
+        A concurrent transaction's uncommitted mark of the same key makes this wait for it
+        (PostgreSQL, InnoDB; SQLite serialises write transactions anyway): when it commits this
+        returns False — a concurrent duplicate, so the caller rolls back — and when it rolls
+        back this writes the mark and returns True."""
+        return self._mark_in(
+            session, *_marking(key, keep_for, fingerprint, result, sends, token, dispatch_lease)
+        )
 
     @abc.abstractmethod
     def check_shared(self, bind: Engine | Connection, in_transaction: bool = False) -> None:
         """:class:`~taskonce.errors.ConfigError` unless ``bind`` reaches this store's
         database."""
 
-    @abc.abstractmethod
     def record_sends_in(
         self,
         connection: Connection,
@@ -491,5 +618,85 @@ class TransactionalStore(Store):
         keep_for: float,
         dispatch_lease: float,
     ) -> None:
-        """Write a record ``key`` holding ``sends`` through ``connection``'s transaction (not
-        committed): the producer outbox's rows."""
+        """Write a record ``key`` holding ``sends`` (pending, dispatch lease held by ``token``
+        for ``dispatch_lease`` seconds) through ``connection``'s transaction (not committed):
+        the producer outbox's rows, which commit or roll back with the application's.
+        :class:`~taskonce.errors.InvalidInput` when ``key`` is recorded already."""
+        encoded = encode_sends(check.check_sends(sends))
+        if encoded is None:
+            raise InvalidInput(f"outbox record {key!r} holds no sends")
+        self._record_sends_in(
+            connection,
+            check.check_key(key),
+            encoded,
+            check.check_token("token", token),
+            check.check_seconds("keep_for", keep_for),
+            check.check_seconds("dispatch_lease", dispatch_lease, zero=True),
+        )
+
+    @abc.abstractmethod
+    def _complete_in(
+        self,
+        session: Session,
+        key: str,
+        owner: str,
+        keep_for: float,
+        result: str | None,
+        sends: str | None,
+        dispatch_lease: float,
+    ) -> bool:
+        """:meth:`complete_in`'s fenced write: False when the claim is not ``owner``'s."""
+
+    @abc.abstractmethod
+    def _mark_in(
+        self,
+        session: Session,
+        key: str,
+        keep_for: float,
+        fingerprint: str | None,
+        result: str | None,
+        sends: str | None,
+        token: str,
+        dispatch_lease: float,
+    ) -> bool:
+        """:meth:`mark_in`'s write."""
+
+    @abc.abstractmethod
+    def _record_sends_in(
+        self,
+        connection: Connection,
+        key: str,
+        sends: str,
+        token: str,
+        keep_for: float,
+        dispatch_lease: float,
+    ) -> None:
+        """:meth:`record_sends_in`'s write."""
+
+
+__all__ = [
+    "LIVENESS_RETENTION",
+    "MAX_KEY_LENGTH",
+    "MAX_TOKEN_LENGTH",
+    "MAX_WORKER_LENGTH",
+    "STATS",
+    "Awaiting",
+    "Claim",
+    "ClaimOutcome",
+    "DueForRelay",
+    "ReceiptLease",
+    "Record",
+    "Seen",
+    "SendLease",
+    "State",
+    "Status",
+    "Store",
+    "StoreKeys",
+    "StoreLiveness",
+    "StoreOperations",
+    "StoreReceipts",
+    "StoreSends",
+    "StrEnum",
+    "TransactionalStore",
+    "encode_sends",
+]

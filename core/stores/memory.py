@@ -7,13 +7,12 @@ and its own lock. Use Redis or SQL wherever more than one process consumes a que
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable
 
-from taskonce.errors import ConfigError, LeaseLost
 from taskonce.stores.base import (
     LIVENESS_RETENTION,
     Awaiting,
@@ -22,8 +21,6 @@ from taskonce.stores.base import (
     DueForRelay,
     ReceiptLease,
     Record,
-    Seen,
-    SendLease,
     Status,
     Store,
 )
@@ -39,7 +36,7 @@ class _Entry:
     expires_at: float
     lease_until: float
     worker: str | None = None
-    sends: tuple[str, ...] = ()  # pending deferred sends
+    sends: str | None = None  # pending deferred sends (their JSON array)
     sends_token: str = ""
     sends_at: float = 0.0  # when they were recorded
     sends_lease: float = 0.0  # a dispatcher's lease on them (or on the receipts) runs until
@@ -70,7 +67,7 @@ class MemoryStore(Store):
     def _live(self, key: str, now: float) -> _Entry | None:
         entry = self._entries.get(key)
         if entry is not None and entry.expires_at <= now:
-            if not entry.sends:  # pending sends stay for the relay (purge keeps them too)
+            if entry.sends is None:  # pending sends stay for the relay (purge keeps them too)
                 del self._entries[key]
             return None
         return entry
@@ -90,26 +87,27 @@ class MemoryStore(Store):
             lease_remaining=remaining,
             worker=entry.worker,
             marked=entry.status is Status.COMPLETED and not entry.lease_until,
-            sends_pending=bool(entry.sends),
-            sends=entry.sends,
+            sends_pending=entry.sends is not None,
+            sends=tuple(json.loads(entry.sends)) if entry.sends else (),
             receipts=entry.receipts,
+            receipts_awaited=entry.receipts_due is not None,
             crashes=entry.crashes,
         )
 
-    def _owned(self, key: str, owner: str, now: float, operation: str) -> _Entry:
+    def _owned(self, key: str, owner: str, now: float) -> _Entry | None:
         entry = self._live(key, now)
         if entry is None or entry.status is not Status.IN_PROGRESS or entry.owner != owner:
-            raise LeaseLost(key, operation)
+            return None
         return entry
 
-    def claim(
+    def _claim(
         self,
         key: str,
         owner: str,
         lease: float,
         keep_for: float,
         fingerprint: str | None,
-        worker: str | None = None,
+        worker: str | None,
     ) -> Claim:
         with self._lock:
             now = self._clock()
@@ -139,7 +137,7 @@ class MemoryStore(Store):
             )
             return Claim(outcome, crashes=crashes)
 
-    def take_over(
+    def _take_over(
         self, key: str, old_owner: str, owner: str, lease: float, keep_for: float, worker: str
     ) -> int:
         with self._lock:
@@ -154,40 +152,43 @@ class MemoryStore(Store):
             entry.crashes += 1
             return entry.crashes
 
-    def quarantine(self, key: str, owner: str, keep_for: float) -> None:
+    def _quarantine(self, key: str, owner: str, keep_for: float) -> bool:
         with self._lock:
             now = self._clock()
-            entry = self._owned(key, owner, now, "quarantine")
+            entry = self._owned(key, owner, now)
+            if entry is None:
+                return False
             entry.status = Status.QUARANTINED
             entry.owner = entry.worker = None
             entry.lease_until = 0.0
             entry.expires_at = now + keep_for
+            return True
 
-    def beat(self, worker: str, ttl: float) -> None:
+    def _beat(self, worker: str, ttl: float) -> None:
         with self._lock:
             now = self._clock()
             self._beats[worker] = (now, now + ttl)
 
-    def seen(self, worker: str) -> Seen | None:
+    def _seen(self, worker: str) -> tuple[float, float] | None:
         with self._lock:
             now = self._clock()
             beat = self._beats.get(worker)
-            if beat is None or beat[1] + LIVENESS_RETENTION <= now:
-                return None
-            return Seen(ago=max(0.0, now - beat[0]), remaining=max(0.0, beat[1] - now))
+            return None if beat is None else (now - beat[0], beat[1] - now)
 
-    def complete(
+    def _complete(
         self,
         key: str,
         owner: str,
         keep_for: float,
         result: str | None,
-        sends: Sequence[str] = (),
-        dispatch_lease: float = 0.0,
-    ) -> None:
+        sends: str | None,
+        dispatch_lease: float,
+    ) -> bool:
         with self._lock:
             now = self._clock()
-            entry = self._owned(key, owner, now, "complete")
+            entry = self._owned(key, owner, now)
+            if entry is None:
+                return False
             entry.status = Status.COMPLETED
             entry.owner = None
             entry.worker = None
@@ -196,30 +197,38 @@ class MemoryStore(Store):
             entry.expires_at = now + keep_for  # lease_until stays: the record was claimed
             if sends:
                 _record_sends(entry, sends, owner, now, dispatch_lease)
+            return True
 
-    def release(self, key: str, owner: str | None) -> None:
+    def _release(self, key: str, owner: str) -> bool:
         with self._lock:
-            now = self._clock()
-            if owner is not None:
-                self._owned(key, owner, now, "release")
+            if self._owned(key, owner, self._clock()) is None:
+                return False
+            del self._entries[key]
+            return True
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
             self._entries.pop(key, None)
 
-    def renew(self, key: str, owner: str, lease: float) -> None:
+    def _renew(self, key: str, owner: str, lease: float) -> bool:
         with self._lock:
             now = self._clock()
-            entry = self._owned(key, owner, now, "renew")
+            entry = self._owned(key, owner, now)
+            if entry is None:
+                return False
             entry.expires_at += max(0.0, now + lease - entry.lease_until)
             entry.lease_until = now + lease
+            return True
 
-    def mark(
+    def _mark(
         self,
         key: str,
         keep_for: float,
         fingerprint: str | None,
         result: str | None,
-        sends: Sequence[str] = (),
-        token: str = "",
-        dispatch_lease: float = 0.0,
+        sends: str | None,
+        token: str,
+        dispatch_lease: float,
     ) -> bool:
         with self._lock:
             now = self._clock()
@@ -238,29 +247,31 @@ class MemoryStore(Store):
                 _record_sends(entry, sends, token, now, dispatch_lease)
             return True
 
-    def take_sends(self, key: str, token: str, lease: float, older_than: float = 0.0) -> SendLease:
+    def _take_sends(
+        self, key: str, token: str, lease: float, older_than: float
+    ) -> tuple[str | None, float]:
         with self._lock:
             now = self._clock()
             entry = self._entries.get(key)
-            if entry is None or not entry.sends or entry.sends_at > now - older_than:
-                return SendLease()
+            if entry is None or entry.sends is None or entry.sends_at > now - older_than:
+                return None, 0.0
             if entry.sends_lease > now and entry.sends_token != token:
-                return SendLease(retry_after=entry.sends_lease - now)
+                return None, entry.sends_lease - now
             entry.sends_token = token
             entry.sends_lease = now + lease
-            return SendLease(entry.sends)
+            return entry.sends, 0.0
 
-    def dispatched(self, key: str, token: str, awaiting: Awaiting | None = None) -> bool:
+    def _dispatched(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None or not entry.sends or entry.sends_token != token:
+            if entry is None or entry.sends is None or entry.sends_token != token:
                 return False
-            entry.sends = ()
+            entry.sends = None
             entry.sends_at = 0.0
             _await(entry, awaiting, self._clock())
             return True
 
-    def take_receipts(self, key: str, token: str, lease: float) -> ReceiptLease:
+    def _take_receipts(self, key: str, token: str, lease: float) -> ReceiptLease:
         with self._lock:
             now = self._clock()
             entry = self._entries.get(key)
@@ -274,7 +285,7 @@ class MemoryStore(Store):
             entry.sends_lease = now + lease
             return ReceiptLease(entry.receipts, late=now - entry.receipts_due)
 
-    def settle_receipts(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
+    def _settle_receipts(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.receipts is None or entry.sends_token != token:
@@ -282,12 +293,12 @@ class MemoryStore(Store):
             _await(entry, awaiting, self._clock())
             return True
 
-    def have_records(self, keys: Sequence[str]) -> list[bool]:
+    def _live_keys(self, keys: list[str]) -> set[str]:
         with self._lock:
             now = self._clock()
-            return [self._live(key, now) is not None for key in keys]
+            return {key for key in keys if self._live(key, now) is not None}
 
-    def due_for_relay(self, older_than: float = 0.0, limit: int = 100) -> DueForRelay:
+    def _due_for_relay(self, older_than: float, limit: int) -> DueForRelay:
         with self._lock:
             now = self._clock()
             due = [
@@ -295,37 +306,29 @@ class MemoryStore(Store):
                 for k, e in self._entries.items()
                 if e.receipts_due is not None and e.receipts_due <= now
             ]
-            pending = self._pending(now - older_than, limit)
-        return DueForRelay(pending, [k for _, k in sorted(due)[:limit]])
+            pending = [
+                (e.sends_at, k)
+                for k, e in self._entries.items()
+                if e.sends is not None and e.sends_at <= now - older_than
+            ]
+        return DueForRelay(
+            [k for _, k in sorted(pending)[:limit]], [k for _, k in sorted(due)[:limit]]
+        )
 
-    def pending_sends(self, older_than: float = 0.0, limit: int = 100) -> list[str]:
-        with self._lock:
-            return self._pending(self._clock() - older_than, limit)
-
-    def _pending(self, recorded_by: float, limit: int) -> list[str]:
-        found = [
-            (e.sends_at, k)
-            for k, e in self._entries.items()
-            if e.sends and e.sends_at <= recorded_by
-        ]
-        return [k for _, k in sorted(found)[:limit]]
-
-    def get(self, key: str) -> Record | None:
+    def _get(self, key: str) -> Record | None:
         with self._lock:
             now = self._clock()
             entry = self._live(key, now)
             return None if entry is None else self._record(key, entry, now)
 
-    def purge(self, batch: int = 1000) -> int:
-        if batch < 1:
-            raise ConfigError(f"purge batch={batch!r} is not valid; it must be at least 1")
+    def _purge(self, batch: int) -> int:
         deleted = 0
         while True:
             with self._lock:
                 now = self._clock()
                 # A record whose sends are pending is kept until the relay publishes them.
                 expired = [
-                    k for k, e in self._entries.items() if e.expires_at <= now and not e.sends
+                    k for k, e in self._entries.items() if e.expires_at <= now and e.sends is None
                 ][:batch]
                 for key in expired:
                     del self._entries[key]
@@ -337,44 +340,25 @@ class MemoryStore(Store):
             if len(expired) < batch:
                 return deleted
 
-    def stats(self) -> Mapping[str, int]:
+    def _expired(self) -> tuple[int, int]:
         with self._lock:
             now = self._clock()
-            entries = list(self._entries.values())
-        live = [e for e in entries if e.expires_at > now]
-        in_progress = sum(1 for e in live if e.status is Status.IN_PROGRESS)
-        quarantined = sum(1 for e in live if e.status is Status.QUARANTINED)
-        return {
-            "keys": len(live),
-            "in_progress": in_progress,
-            "completed": len(live) - in_progress - quarantined,
-            "quarantined": quarantined,
-            "expired": len(entries) - len(live),
-            "sends_pending": sum(1 for e in entries if e.sends),
-            "receipts_awaited": sum(1 for e in live if e.receipts_due is not None),
-        }
+            expired = [e for e in self._entries.values() if e.expires_at <= now]
+        return len(expired), sum(1 for e in expired if e.sends is not None)
 
-    def records(self, key_prefix: str = "") -> Iterator[Record]:
+    def _records(self, key_prefix: str, key_suffix: str, limit: int | None) -> list[Record]:
         with self._lock:
             now = self._clock()
             found = [
                 self._record(key, entry, now)
                 for key, entry in self._entries.items()
-                if key.startswith(key_prefix) and entry.expires_at > now
+                if key.startswith(key_prefix)
+                and key.endswith(key_suffix)
+                and entry.expires_at > now
             ]
-        return iter(found)
+        return found[:limit]
 
-    def keys_ending(self, suffix: str, limit: int = 5) -> list[str]:
-        with self._lock:
-            now = self._clock()
-            found = (
-                key
-                for key, entry in self._entries.items()
-                if key.endswith(suffix) and entry.expires_at > now
-            )
-            return list(itertools.islice(found, max(limit, 0)))
-
-    def close(self) -> None:
+    def _close(self) -> None:
         with self._lock:
             self._entries.clear()
             self._beats.clear()
@@ -395,10 +379,8 @@ def _await(entry: _Entry, awaiting: Awaiting | None, now: float) -> None:
     entry.expires_at = max(entry.expires_at, now + awaiting.keep_at_least)
 
 
-def _record_sends(
-    entry: _Entry, sends: Sequence[str], token: str, now: float, dispatch_lease: float
-) -> None:
-    entry.sends = tuple(sends)
+def _record_sends(entry: _Entry, sends: str, token: str, now: float, dispatch_lease: float) -> None:
+    entry.sends = sends
     entry.sends_token = token
     entry.sends_at = now
     entry.sends_lease = now + dispatch_lease

@@ -1,7 +1,8 @@
 """``django://ALIAS``: the SQL store on the connection Django holds for a database alias.
 
-:class:`DjangoStore` is :class:`~taskonce.stores.sql.SQLStore` — the same tables, statements
-and decisions, judged by the database's clock — without an engine of its own: every statement
+:class:`DjangoStore` is :class:`~taskonce.stores.sql.SQLStore`'s sibling over the one SQL base
+(:mod:`taskonce.stores.sql.base`) — the same tables, statements and decisions, judged by the
+database's clock — without an engine of its own: every statement
 runs on ``django.db.connections[ALIAS]`` in the calling thread, as Django runs the ORM's. So a
 worker holds no second pool: each thread uses its own connection, opened and closed by Django
 (``CONN_MAX_AGE``, ``close_old_connections`` between tasks, which Celery's Django fixup and
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sqlite3
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -25,9 +25,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from taskonce.errors import ConfigError, StoreUnavailable
-from taskonce.stores.sql.schema import DEFAULT_TABLE, make_live_table, make_table
-from taskonce.stores.sql.statements import SQLITE_UPSERT, Statements
-from taskonce.stores.sql.store import SQLStore
+from taskonce.stores.sql.base import SQLBase
+from taskonce.stores.sql.schema import DEFAULT_TABLE
 
 from .statements import VENDORS, Compiler, DjangoConnection
 from .transaction import DjangoTransaction
@@ -55,7 +54,7 @@ def _own_thread() -> bool:
     return threading.current_thread().name.startswith("taskonce-")
 
 
-class DjangoStore(SQLStore):
+class DjangoStore(SQLBase):
     """Claims and marks in the ``taskonce_keys`` table of a Django database.
 
     :param alias: a key of ``settings.DATABASES`` (PostgreSQL, MariaDB/MySQL or SQLite).
@@ -89,20 +88,13 @@ class DjangoStore(SQLStore):
                 "stores records in PostgreSQL, MariaDB/MySQL or SQLite"
             )
         self.alias = alias
-        self._family = VENDORS[vendor]
-        self._url = sa.engine.make_url(f"sqlite:///django-{alias}")  # only for messages
-        self._table_name, self._schema, self._table_label = DEFAULT_TABLE, None, DEFAULT_TABLE
-        self._redacted = f"django://{alias}"
-        self._password = None
-        self._options = {}
-        self._memory = False
-        self._lock = threading.Lock()
-        self._ready = True  # the migration made the tables
-        self._metadata = sa.MetaData()
-        self._table = make_table(self._metadata, DEFAULT_TABLE, None)
-        self._live_table = make_live_table(self._metadata, DEFAULT_TABLE, None)
-        upsert = sqlite3.sqlite_version_info >= SQLITE_UPSERT
-        self._sql = Statements(self._table, self._live_table, self._family, upsert)
+        super().__init__(
+            family=VENDORS[vendor],
+            table=DEFAULT_TABLE,
+            schema=None,
+            label=DEFAULT_TABLE,
+            where=f"django://{alias}",
+        )
         fixed = [value for value in vars(self._sql).values() if isinstance(value, sa.Executable)]
         self._compiler = Compiler(self._family, fixed)
 
@@ -110,13 +102,6 @@ class DjangoStore(SQLStore):
     def from_url(cls, url: str) -> DjangoStore:
         """The store ``django://ALIAS`` names."""
         return cls(alias_of(url))
-
-    @property
-    def engine(self) -> Any:
-        raise ConfigError(
-            f"{self._redacted} has no SQLAlchemy engine: it uses Django's connection, "
-            f"django.db.connections[{self.alias!r}]"
-        )
 
     # -- Django's connection for the alias, in this thread -----------------------------------
 
@@ -160,9 +145,6 @@ class DjangoStore(SQLStore):
             if _own_thread() and not wrapper.in_atomic_block:
                 wrapper.close_if_unusable_or_obsolete()
 
-    def _ensure_ready(self, operation: str) -> None:
-        return  # the tables come from the migration
-
     def create_tables(self) -> bool:
         """Create the tables (as the migration does) unless they exist; True when this call
         created the keys table. For tests and tools; projects run ``manage.py migrate``."""
@@ -191,9 +173,6 @@ class DjangoStore(SQLStore):
                 f"not run on database {self.alias!r}; apply them with: {migrate}"
             )
 
-    def _after_fork(self) -> None:
-        return  # Django's connections: Celery's fixup and django_dramatiq handle forks
-
     # -- transactional mode and the outbox ----------------------------------------------------
 
     def open_session(self) -> Any:
@@ -212,11 +191,8 @@ class DjangoStore(SQLStore):
             "taskonce.django_ext.send_on_commit() inside transaction.atomic()"
         )
 
-    def close(self) -> None:
+    def _close(self) -> None:
         return  # Django owns the connections
-
-    def describe(self) -> str:
-        return f"DjangoStore {self._redacted} (table {self._table_label})"
 
 
 __all__ = ["SCHEME", "DjangoStore", "alias_of"]

@@ -160,7 +160,7 @@ def test_sends_stored_in_the_old_format_are_published_after_an_upgrade(
     finally:
         engine.dispose()
     # this process's relay, or the worker's (every 2 s): whichever takes them first
-    wait_for(lambda: guard.relay(older_than=0) >= 0 and not store.pending_sends(), 30, 0.5)
+    wait_for(lambda: guard.relay(older_than=0) >= 0 and not store.due_for_relay().sends, 30, 0.5)
     labels_ran_once(runs, ["old-handoff", "old-outbox"])
 
 

@@ -41,7 +41,6 @@ NAMES = (
     "get",
     "take_sends",
     "dispatched",
-    "pending",
     "forget",
     "settle",
     "take_receipts",
@@ -49,7 +48,7 @@ NAMES = (
     "sweep",
 )
 #: the scripts that write nothing (no ``WAIT`` for replicas after them)
-READS = ("get", "seen", "pending", "relay")
+READS = ("get", "seen", "relay")
 
 
 def _read(name: str) -> str:
@@ -78,7 +77,6 @@ class Scripts:
     get: Script
     take_sends: Script
     dispatched: Script
-    pending: Script
     forget: Script
     settle: Script
     take_receipts: Script

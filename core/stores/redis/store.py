@@ -39,24 +39,22 @@ part of the contract).
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import redis
 import redis.cluster
-from redis.commands.core import Script
 
-from taskonce.errors import ConfigError, LeaseLost, StoreUnavailable
+from taskonce.errors import ConfigError
 from taskonce.stores.base import (
     LIVENESS_RETENTION,
     Awaiting,
     Claim,
     ClaimOutcome,
+    DueForRelay,
+    ReceiptLease,
     Record,
-    Seen,
-    SendLease,
     Status,
     Store,
 )
@@ -76,18 +74,17 @@ from taskonce.stores.redis.layout import Fields, packed_fp, safe
 from taskonce.stores.redis.names import Names, glob_escape
 from taskonce.stores.redis.receipts import RedisReceipts
 from taskonce.stores.redis.scripts import Scripts
+from taskonce.stores.redis.server import Server
 from taskonce.stores.redis.trips import Command, OneTrip, SharedTrips
-from taskonce.stores.redis.wire import cannot_answer, ms, text
+from taskonce.stores.redis.wire import ms, text
 
 logger = logging.getLogger("taskonce.stores.redis")
 
 #: a new claim or a lazy mark without sends: the client's own ``SET … NX PX``
 SET = Command("SET")
 
-T = TypeVar("T")
 
-
-class RedisStore(RedisReceipts, Store):
+class RedisStore(Store):
     """Claims and marks in Redis: one server, a Sentinel-managed master or a Redis Cluster.
     Every script touches one record and, for the hand-off, its sends index in the same hash
     slot, so the scripts run on a cluster.
@@ -146,8 +143,10 @@ class RedisStore(RedisReceipts, Store):
             self._client = client
         self._scripts = Scripts.register(self._client)
         self._cluster = isinstance(self._client, redis.cluster.RedisCluster)
-        self._trips: SharedTrips | OneTrip = self._open_trips(wanted, socket_timeout)
+        trips = self._open_trips(wanted, socket_timeout)
         self._names = Names(prefix, self._cluster)  # after _open_trips checked the prefix
+        self._server = Server(self._client, self._url, self._scripts, self._names, trips)
+        self._receipts = RedisReceipts(self._server)
         logger.debug("opened %s", self.describe())
 
     def _open_trips(self, wanted: int, socket_timeout: float) -> SharedTrips | OneTrip:
@@ -184,6 +183,15 @@ class RedisStore(RedisReceipts, Store):
 
     # -- plumbing ------------------------------------------------------------------------------
 
+    @property
+    def _trips(self) -> SharedTrips | OneTrip:
+        """The transport (tests watch its queue; a benchmark swaps it for a recorder)."""
+        return self._server.trips
+
+    @_trips.setter
+    def _trips(self, trips: SharedTrips | OneTrip) -> None:
+        self._server.trips = trips
+
     def _key(self, key: str) -> str:
         return self._names.record(key)
 
@@ -195,36 +203,6 @@ class RedisStore(RedisReceipts, Store):
         """The SCAN pattern of this store's records whose key starts with ``key_prefix``."""
         return self._names.pattern(key_prefix)
 
-    def _unavailable(self, operation: str, key: str | None, exc: BaseException) -> NoReturn:
-        where = f" of key {key!r}" if key is not None else ""
-        logger.debug("%s%s failed on %s: %s", operation, where, self._url, type(exc).__name__)
-        raise StoreUnavailable(
-            f"Redis store {self._url} did not answer {operation}{where}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-
-    def _call(self, operation: str, key: str | None, fn: Callable[[], T]) -> T:
-        """Run one round trip, turning "Redis cannot answer" into StoreUnavailable."""
-        try:
-            return fn()
-        except Exception as exc:
-            if cannot_answer(exc):
-                self._unavailable(operation, key, exc)
-            raise
-
-    def _run(self, operation: str, script: Script | Command, key: str, args: Sequence[Any]) -> Any:
-        # EVALSHA straight on the client (redis-py's Script.__call__ costs a measurable share
-        # of a round trip), shared with other threads' calls when they coincide.
-        call = self._trips.run(script, self._names.record(key), args)
-        exc = call.error
-        if exc is None:
-            return call.reply
-        # A failed shared round trip hands the same exception to every caller: each raises its
-        # own StoreUnavailable *from* it instead of re-raising the one object in many threads.
-        if cannot_answer(exc):
-            self._unavailable(operation, key, exc)
-        raise exc
-
     def _record(self, key: str, reply: Sequence[Any]) -> Record | None:
         """The one translation of a stored record into a :class:`Record`: from the scripts'
         ``{now, pttl, record}`` reply (a scan builds the same); None when it is no record of
@@ -234,16 +212,16 @@ class RedisStore(RedisReceipts, Store):
             return None
         return _as_record(key, int(reply[0]), int(reply[1]), fields)
 
-    # -- the Store contract ----------------------------------------------------------------------
+    # -- the Store contract's primitives ---------------------------------------------------------
 
-    def claim(
+    def _claim(
         self,
         key: str,
         owner: str,
         lease: float,
         keep_for: float,
         fingerprint: str | None,
-        worker: str | None = None,
+        worker: str | None,
     ) -> Claim:
         """Atomically take ``key`` for ``owner`` (see
         :meth:`~taskonce.stores.base.StoreKeys.claim`).
@@ -255,9 +233,9 @@ class RedisStore(RedisReceipts, Store):
         ttl, keep = ms(lease) + ms(keep_for), ms(keep_for)
         who, fp, wk = safe(owner), packed_fp(fingerprint), safe(worker)
         record = layout.claim_record(who, ttl, keep, fp, wk)
-        if self._run("claim", SET, key, (record, "NX", "PX", ttl)):
+        if self._server.run("claim", SET, key, (record, "NX", "PX", ttl)):
             return Claim(ClaimOutcome.CLAIMED)
-        reply = self._run("claim", self._scripts.claim, key, (who, ttl, keep, fp, wk))
+        reply = self._server.run("claim", self._scripts.claim, key, (who, ttl, keep, fp, wk))
         if isinstance(reply, list):
             found = self._record(key, reply)
             if found is None:  # as a script's WRONGTYPE would be: this call is wrong
@@ -270,117 +248,116 @@ class RedisStore(RedisReceipts, Store):
             return Claim(ClaimOutcome.CLAIMED)
         return Claim(ClaimOutcome.TAKEN_OVER, crashes=int(reply) - 1)
 
-    def take_over(
+    def _take_over(
         self, key: str, old_owner: str, owner: str, lease: float, keep_for: float, worker: str
     ) -> int:
         """Hand ``old_owner``'s live claim to ``owner`` (one EVALSHA, fenced by the old token)."""
         args = (safe(old_owner), safe(owner), ms(lease), ms(keep_for), safe(worker))
-        return int(self._run("take_over", self._scripts.take_over, key, args))
+        return int(self._server.run("take_over", self._scripts.take_over, key, args))
 
-    def quarantine(self, key: str, owner: str, keep_for: float) -> None:
+    def _quarantine(self, key: str, owner: str, keep_for: float) -> bool:
         """Turn ``owner``'s claim into a quarantined record (one EVALSHA, fenced)."""
-        if not int(
-            self._run("quarantine", self._scripts.quarantine, key, (safe(owner), ms(keep_for)))
-        ):
-            raise LeaseLost(key, "quarantine")
+        args = (safe(owner), ms(keep_for))
+        return bool(int(self._server.run("quarantine", self._scripts.quarantine, key, args)))
 
-    def beat(self, worker: str, ttl: float) -> None:
+    def _beat(self, worker: str, ttl: float) -> None:
         """Write ``worker``'s liveness record (one EVALSHA, judged by the Redis clock)."""
         args = (ms(ttl), ms(LIVENESS_RETENTION))
-        self._run("beat", self._scripts.beat, self._names.live_key(worker), args)
+        self._server.run("beat", self._scripts.beat, self._names.live_key(worker), args)
 
-    def seen(self, worker: str) -> Seen | None:
+    def _seen(self, worker: str) -> tuple[float, float] | None:
         """``worker``'s liveness record by the Redis clock, or None."""
-        reply = self._run("seen", self._scripts.seen, self._names.live_key(worker), ())
+        reply = self._server.run("seen", self._scripts.seen, self._names.live_key(worker), ())
         if reply is None:
             return None
         now, seen, until = (int(text(item) or 0) for item in reply)
-        return Seen(ago=max(0, now - seen) / 1000.0, remaining=max(0, until - now) / 1000.0)
+        return (now - seen) / 1000.0, (until - now) / 1000.0
 
-    def complete(
+    def _complete(
         self,
         key: str,
         owner: str,
         keep_for: float,
         result: str | None,
-        sends: Sequence[str] = (),
-        dispatch_lease: float = 0.0,
-    ) -> None:
+        sends: str | None,
+        dispatch_lease: float,
+    ) -> bool:
         """Turn ``owner``'s claim into a mark kept ``keep_for`` seconds, with ``sends`` pending
-        (same script); :class:`LeaseLost` if the claim is no longer ``owner``'s."""
+        (same script); False if the claim is no longer ``owner``'s."""
         keep = ms(keep_for)
         script = self._scripts.complete
         args: tuple[Any, ...] = (safe(owner), keep, f"{keep:x}")
         if sends:
             script = self._scripts.complete_sends
             index = self._names.index_of(key)
-            args = (*args, index, json.dumps(list(sends)), key, ms(dispatch_lease))
+            args = (*args, index, sends, key, ms(dispatch_lease))
         if result is not None:
             args = (*args, result)
-        if not int(self._run("complete", script, key, args)):
-            raise LeaseLost(key, "complete")
+        return bool(int(self._server.run("complete", script, key, args)))
 
-    def release(self, key: str, owner: str | None) -> None:
-        """Delete ``owner``'s claim (fenced), or with ``owner=None`` whatever is recorded."""
-        if owner is None:  # its pending sends go with it
-            args = (self._names.index_of(key), key, self._names.receipts_of(key))
-            self._run("release", self._scripts.forget, key, args)
-            return
-        if not int(self._run("release", self._scripts.release, key, (safe(owner),))):
-            raise LeaseLost(key, "release")
+    def _release(self, key: str, owner: str) -> bool:
+        """Delete ``owner``'s claim (one EVALSHA, fenced)."""
+        return bool(int(self._server.run("release", self._scripts.release, key, (safe(owner),))))
 
-    def renew(self, key: str, owner: str, lease: float) -> None:
+    def _forget(self, key: str) -> None:
+        """Delete whatever is recorded, its pending sends and awaited receipts with it."""
+        args = (self._names.index_of(key), key, self._names.receipts_of(key))
+        self._server.run("release", self._scripts.forget, key, args)
+
+    def _renew(self, key: str, owner: str, lease: float) -> bool:
         """Extend ``owner``'s lease to ``lease`` seconds from now by the Redis clock, pushing the
-        key's expiry out by as much; :class:`LeaseLost` if the claim is no longer ``owner``'s."""
-        if not int(self._run("renew", self._scripts.renew, key, (safe(owner), ms(lease)))):
-            raise LeaseLost(key, "renew")
+        key's expiry out by as much; False if the claim is no longer ``owner``'s."""
+        return bool(
+            int(self._server.run("renew", self._scripts.renew, key, (safe(owner), ms(lease))))
+        )
 
-    def mark(
+    def _mark(
         self,
         key: str,
         keep_for: float,
         fingerprint: str | None,
         result: str | None,
-        sends: Sequence[str] = (),
-        token: str = "",
-        dispatch_lease: float = 0.0,
+        sends: str | None,
+        token: str,
+        dispatch_lease: float,
     ) -> bool:
         """Record ``key`` as handled for ``keep_for`` seconds, with ``sends`` pending (same
         script); False when a live record exists."""
         keep, fp = ms(keep_for), packed_fp(fingerprint)
         if not sends:  # one plain SET … NX PX: nil when a live record exists
             record = layout.mark_record(keep, fp, result)
-            return bool(self._run("mark", SET, key, (record, "NX", "PX", keep)))
+            return bool(self._server.run("mark", SET, key, (record, "NX", "PX", keep)))
         record = layout.sending_record(
             layout.MARKED_SENDING,
             keep,
             fp,
             safe(token),
             ms(dispatch_lease),
-            json.dumps(list(sends)),
+            sends,
             result,
         )
         args = (record, keep, self._names.index_of(key), key)
-        return bool(int(self._run("mark", self._scripts.mark_sends, key, args)))
+        return bool(int(self._server.run("mark", self._scripts.mark_sends, key, args)))
 
-    def take_sends(self, key: str, token: str, lease: float, older_than: float = 0.0) -> SendLease:
+    def _take_sends(
+        self, key: str, token: str, lease: float, older_than: float
+    ) -> tuple[str | None, float]:
         """Take the dispatch lease of ``key``'s pending sends (one script, Redis clock)."""
         index = self._names.index_of(key)
         args = (safe(token), ms(lease), round(older_than * 1000), index, key)
-        reply = self._run("take_sends", self._scripts.take_sends, key, args)
+        reply = self._server.run("take_sends", self._scripts.take_sends, key, args)
         if isinstance(reply, list):
-            return SendLease(retry_after=int(reply[0]) / 1000.0)
-        found = text(reply) if not isinstance(reply, int) else None
-        return SendLease(tuple(json.loads(found))) if found else SendLease()
+            return None, int(reply[0]) / 1000.0
+        return (None if isinstance(reply, int) else text(reply)), 0.0
 
-    def dispatched(self, key: str, token: str, awaiting: Awaiting | None = None) -> bool:
+    def _dispatched(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
         """Clear ``key``'s pending sends if ``token`` still holds them, with ``awaiting`` in the
         same script (:mod:`.receipts`)."""
         if awaiting is not None:
-            return self._dispatched_awaiting(key, token, awaiting)
+            return self._receipts.dispatched(key, token, awaiting)
         return bool(
             int(
-                self._run(
+                self._server.run(
                     "dispatched",
                     self._scripts.dispatched,
                     key,
@@ -389,118 +366,59 @@ class RedisStore(RedisReceipts, Store):
             )
         )
 
-    def pending_sends(self, older_than: float = 0.0, limit: int = 100) -> list[str]:
-        """Keys with sends pending for at least ``older_than`` s, from the index (one script)."""
-        if self._cluster:
-            return self._call(
-                "pending_sends", None, lambda: self._pending_in_buckets(older_than, limit)
-            )
-        index = self._names.indexes()[0]  # one server: one index
-        call = self._trips.run(self._scripts.pending, index, (round(older_than * 1000), limit))
-        if call.error is not None:
-            if cannot_answer(call.error):
-                self._unavailable("pending_sends", None, call.error)
-            raise call.error
-        return [text(name) or "" for name in call.reply]
-
-    def _pending_in_buckets(self, older_than: float, limit: int) -> list[str]:
-        """Every bucket's oldest ``limit``, in one pipeline (one round trip per node), merged.
-        redis-py refuses scripts in a cluster pipeline, so the cut-off is taken from one node's
-        clock first (``TIME``), then each index is read with a plain ``ZRANGEBYSCORE``; the
-        relay's minimum age is a coarse filter, which the masters' synchronised clocks keep."""
-        seconds, micros = self._client.time()
-        cutoff = int(seconds) * 1000 + int(micros) // 1000 - round(older_than * 1000)
-        pipe = self._client.pipeline()
-        for index in self._names.indexes():
-            pipe.zrangebyscore(index, "-inf", cutoff, start=0, num=limit, withscores=True)
-        found: list[tuple[float, str]] = []
-        for reply in pipe.execute():
-            found += [(float(score), text(name) or "") for name, score in reply]
-        return [name for _, name in sorted(found)[:limit]]
-
-    def get(self, key: str) -> Record | None:
+    def _get(self, key: str) -> Record | None:
         """The live record of ``key`` with ``lease_remaining`` by the Redis clock, or None."""
-        reply = self._run("get", self._scripts.get, key, ())
+        reply = self._server.run("get", self._scripts.get, key, ())
         return None if reply is None else self._record(key, reply)  # a foreign key: None
 
-    def stats(self) -> Mapping[str, int]:
-        """Counts of this prefix's records, by ``SCAN MATCH prefix:*`` (several round trips;
-        for the CLI and monitoring, not hot paths). ``expired`` is always 0: Redis drops
-        expired keys itself. On a cluster, every master is scanned."""
-        pattern = self._pattern()
+    # the receipts part (:mod:`.receipts`)
 
-        def count() -> dict[str, int]:
-            counts = {"in_progress": 0, "completed": 0, "quarantined": 0}
-            batch: list[Any] = []
-            for name in self._client.scan_iter(match=pattern, count=1000):
-                batch.append(name)
-                if len(batch) >= 1000:
-                    self._count_batch(batch, counts)
-                    batch = []
-            self._count_batch(batch, counts)
-            return {
-                "keys": sum(counts.values()),
-                **counts,
-                "expired": 0,
-                "sends_pending": self._sends_pending(),
-                "receipts_awaited": self._awaited(),
-            }
+    def _take_receipts(self, key: str, token: str, lease: float) -> ReceiptLease:
+        return self._receipts.take(key, token, lease)
 
-        return self._call("stats", None, count)
+    def _settle_receipts(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
+        return self._receipts.settle(key, token, awaiting)
 
-    def _sends_pending(self) -> int:
-        pipe = self._client.pipeline()
-        for index in self._names.indexes():
-            pipe.zcard(index)
-        return sum(int(n) for n in pipe.execute())
+    def _live_keys(self, keys: list[str]) -> set[str]:
+        return self._receipts.live_keys(keys)
 
-    def _count_batch(self, names: list[Any], counts: dict[str, int]) -> None:
-        if not names:
-            return
-        pipe = self._client.pipeline(transaction=False)
-        for name in names:
-            pipe.get(name)
-        for value in pipe.execute(raise_on_error=False):
-            kind = None if isinstance(value, Exception) else layout.kind_of(value)
-            if kind == layout.CLAIM:
-                counts["in_progress"] += 1
-            elif kind == layout.QUARANTINED:
-                counts["quarantined"] += 1
-            elif kind is not None:  # else a foreign key under our prefix
-                counts["completed"] += 1
+    def _due_for_relay(self, older_than: float, limit: int) -> DueForRelay:
+        return self._receipts.due_for_relay(older_than, limit)
 
-    def records(self, key_prefix: str = "") -> Iterator[Record]:
-        """The live records of this prefix whose key starts with ``key_prefix``: ``SCAN MATCH``
-        (every master, on a cluster) and one pipelined ``GET`` and ``PTTL`` per batch of 1000
-        keys, judged by the Redis clock."""
-        pattern = self._pattern(key_prefix)
+    # operations
 
-        def batches() -> Iterator[list[Record]]:
+    def _purge(self, batch: int) -> int:
+        """Always 0: every record carries a Redis expiry (at its ``expires_at``), so Redis
+        deletes expired records itself, and every script treats a record past it as absent.
+        What Redis leaves behind is the index entries of records that expired with sends
+        pending or receipts awaited: those are swept here (not counted: they are not
+        records)."""
+        self._receipts.sweep(batch)
+        return 0
+
+    def _expired(self) -> tuple[int, int]:
+        return 0, 0  # Redis drops expired keys itself
+
+    def _records(self, key_prefix: str, key_suffix: str, limit: int | None) -> list[Record]:
+        """The live records of this prefix whose key starts with ``key_prefix`` and ends with
+        ``key_suffix``: ``SCAN MATCH`` (every master, on a cluster) until ``limit`` names match,
+        and one pipelined ``GET`` and ``PTTL`` per batch of 1000 names, judged by the Redis
+        clock."""
+        pattern = self._pattern(key_prefix) + glob_escape(key_suffix)
+
+        def scan() -> list[Record]:
+            found: list[Record] = []
             names: list[Any] = []
             for name in self._client.scan_iter(match=pattern, count=1000):
                 names.append(name)
-                if len(names) >= 1000:
-                    yield self._records_of(names, key_prefix)
-                    names = []
-            yield self._records_of(names, key_prefix)
-
-        found = self._call("records", None, lambda: [r for b in batches() for r in b])
-        return iter(found)
-
-    def keys_ending(self, suffix: str, limit: int = 5) -> list[str]:
-        """At most ``limit`` live keys of this prefix ending with ``suffix``: ``SCAN MATCH``
-        (every master, on a cluster) until ``limit`` names match, then their records' check."""
-        pattern = self._pattern() + glob_escape(suffix)
-
-        def find() -> list[str]:
-            names: list[Any] = []
-            for name in self._client.scan_iter(match=pattern, count=1000):
-                names.append(name)
-                if len(names) >= limit:
+                if limit is not None and len(names) >= limit:
                     break
-            return [record.key for record in self._records_of(names, "")]
+                if len(names) >= 1000:
+                    found += self._records_of(names, key_prefix)
+                    names = []
+            return found + self._records_of(names, key_prefix)
 
-        return self._call("keys_ending", None, find)
+        return self._server.call("records", None, scan)
 
     def _records_of(self, names: list[Any], key_prefix: str) -> list[Record]:
         if not names:
@@ -531,7 +449,7 @@ class RedisStore(RedisReceipts, Store):
                 found.append(record)
         return found
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Disconnect the connection pool this store opened (a caller's ``client`` is left
         open: its owner closes it). A closed store reconnects if it is used again."""
         if self._owns_client:
@@ -564,6 +482,7 @@ def _as_record(key: str, now: int, pttl: int, fields: Fields) -> Record:
         sends_pending=fields.kind in (layout.SENDING, layout.MARKED_SENDING),
         sends=fields.sends,
         receipts=fields.receipts,
+        receipts_awaited=fields.receipts is not None and fields.due is not None,
         crashes=fields.crashes,
     )
 

@@ -13,19 +13,12 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from taskonce.stores.base import Awaiting, DueForRelay, ReceiptLease, StoreReceipts
-from taskonce.stores.sql.schema import check_token
-from taskonce.stores.sql.statements import Statements
-
-
-def _rowcount(result: Any) -> int:
-    count: int = result.rowcount
-    return count
+from taskonce.stores.base import Awaiting, DueForRelay, ReceiptLease, TransactionalStore
+from taskonce.stores.sql.statements import Statements, rowcount
 
 
 def awaiting_params(awaiting: Awaiting) -> dict[str, Any]:
@@ -38,9 +31,9 @@ def awaiting_params(awaiting: Awaiting) -> dict[str, Any]:
     }
 
 
-class SQLReceipts(StoreReceipts):
-    """:class:`~taskonce.stores.base.StoreReceipts` on the SQL store's keys table: the part of
-    :class:`~taskonce.stores.sql.SQLStore` the relay's look at receipts uses
+class SQLReceipts(TransactionalStore):
+    """:class:`~taskonce.stores.base.StoreReceipts`' primitives on the SQL stores' keys table:
+    the part of :class:`~taskonce.stores.sql.base.SQLBase` the relay's look at receipts uses
     (:mod:`taskonce.receipts`). It runs the store's statements on the store's connection."""
 
     _sql: Statements
@@ -49,13 +42,12 @@ class SQLReceipts(StoreReceipts):
     def _connect(self, operation: str) -> contextlib.AbstractContextManager[Connection]:
         """A connection for ``operation`` (database errors raised as StoreUnavailable)."""
 
-    def take_receipts(self, key: str, token: str, lease: float) -> ReceiptLease:
+    def _take_receipts(self, key: str, token: str, lease: float) -> ReceiptLease:
         """Take the lease (UPDATE fenced by due time and any other live lease), then read what
-        was taken: two statements on one connection, as :meth:`take_sends`."""
-        check_token("token", token)
-        params = {"p_key": key, "p_token": token, "p_lease": float(lease)}
+        was taken: two statements on one connection, as ``take_sends``."""
+        params = {"p_key": key, "p_token": token, "p_lease": lease}
         with self._connect("take_receipts") as connection:
-            taken = _rowcount(connection.execute(self._sql.take_receipts, params)) == 1
+            taken = rowcount(connection.execute(self._sql.take_receipts, params)) == 1
             row = connection.execute(self._sql.read_receipts, params).one_or_none()
         if row is None:
             return ReceiptLease()  # none awaited, not due yet, given up on, or gone
@@ -64,29 +56,24 @@ class SQLReceipts(StoreReceipts):
             return ReceiptLease(entries, late=max(float(late), 0.0))
         return ReceiptLease(retry_after=max(float(remaining or 0.0), 0.0))
 
-    def settle_receipts(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
+    def _settle_receipts(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
         params: dict[str, Any] = {"p_key": key, "p_token": token}
         statement = self._sql.clear_receipts
         if awaiting is not None:
             statement = self._sql.settle_receipts
             params.update(awaiting_params(awaiting))
         with self._connect("settle_receipts") as connection:
-            return _rowcount(connection.execute(statement, params)) == 1
+            return rowcount(connection.execute(statement, params)) == 1
 
-    def have_records(self, keys: Sequence[str]) -> list[bool]:
-        """One ``SELECT key … WHERE key IN (…)`` of the live records; the answer in ``keys``'
-        order."""
-        if not keys:
-            return []
-        unique = list(dict.fromkeys(keys))
+    def _live_keys(self, keys: list[str]) -> set[str]:
+        """One ``SELECT key … WHERE key IN (…)`` of the live records."""
         with self._connect("have_records") as connection:
-            rows = connection.execute(self._sql.have_records, {"p_keys": unique})
-            found = {str(row[0]) for row in rows}
-        return [key in found for key in keys]
+            rows = connection.execute(self._sql.have_records, {"p_keys": keys})
+            return {str(row[0]) for row in rows}
 
-    def due_for_relay(self, older_than: float = 0.0, limit: int = 100) -> DueForRelay:
+    def _due_for_relay(self, older_than: float, limit: int) -> DueForRelay:
         """One statement (:meth:`Statements._due_for_relay`): both halves, each oldest first."""
-        params = {"p_age": float(older_than), "p_limit": int(limit)}
+        params = {"p_age": older_than, "p_limit": limit}
         sends: list[tuple[float, str]] = []
         receipts: list[tuple[float, str]] = []
         with self._connect("due_for_relay") as connection:

@@ -52,16 +52,21 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import mysql as mysql_dialect
 from sqlalchemy.engine import Connection
 
-from taskonce.errors import ConfigError, InvalidInput
-from taskonce.stores.base import MAX_KEY_LENGTH, MAX_WORKER_LENGTH, Record, Status, StrEnum
+from taskonce.errors import ConfigError
+from taskonce.stores.base import (
+    MAX_KEY_LENGTH,
+    MAX_TOKEN_LENGTH,
+    MAX_WORKER_LENGTH,
+    Record,
+    Status,
+    StrEnum,
+)
 
 logger = logging.getLogger("taskonce.stores.sql")
 
 #: The table name used when none is given.
 DEFAULT_TABLE = "taskonce_keys"
 
-#: Owner tokens and fingerprints longer than this do not fit their columns.
-MAX_TOKEN_LENGTH = 64
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]{0,62}"
 _TABLE_RE = re.compile(rf"^(?:(?P<schema>{_IDENT})\.)?(?P<name>{_IDENT})$")
@@ -259,36 +264,6 @@ def add_missing_columns(connection: Connection, table: sa.Table, label: str) -> 
     logger.info("added the column(s) %s to %s", ", ".join(c.name for c in missing), label)
 
 
-# -- values that must fit the columns --------------------------------------------------------
-
-
-def check_key(key: str) -> None:
-    """:class:`~taskonce.errors.InvalidInput` unless ``key`` fits the ``key`` column."""
-    if not isinstance(key, str) or not key:
-        raise InvalidInput(f"key {key!r} must be a non-empty string")
-    if len(key) > MAX_KEY_LENGTH:
-        raise InvalidInput(
-            f"key {key[:40]!r}… is {len(key)} characters; the limit is {MAX_KEY_LENGTH}"
-        )
-
-
-def check_token(name: str, value: str | None) -> None:
-    """:class:`~taskonce.errors.InvalidInput` unless token ``value`` fits its column."""
-    if value is not None and len(value) > MAX_TOKEN_LENGTH:
-        raise InvalidInput(
-            f"{name} {value[:20]!r}… is {len(value)} characters; the limit is {MAX_TOKEN_LENGTH}"
-        )
-
-
-def check_worker(worker: str | None) -> None:
-    """:class:`~taskonce.errors.InvalidInput` unless ``worker`` fits the ``worker`` column."""
-    if worker is not None and len(worker) > MAX_WORKER_LENGTH:
-        raise InvalidInput(
-            f"worker identity {worker[:20]!r}… is {len(worker)} characters; the limit is "
-            f"{MAX_WORKER_LENGTH}"
-        )
-
-
 # -- a row as a Record -----------------------------------------------------------------------
 
 
@@ -316,18 +291,18 @@ def to_record(row: Any) -> Record:
         sends_pending=pending,
         sends=tuple(json.loads(sends)) if sends else (),
         receipts=row._mapping.get("receipts"),
+        # due some time (sends_at): given up on, the entries stay without it
+        receipts_awaited=stored is Stored.COMPLETED
+        and row._mapping.get("receipts") is not None
+        and row._mapping.get("sends_at") is not None,
         crashes=int(row.crashes or 0),
     )
 
 
 __all__ = [
     "DEFAULT_TABLE",
-    "MAX_TOKEN_LENGTH",
     "Stored",
     "add_missing_columns",
-    "check_key",
-    "check_token",
-    "check_worker",
     "create_table",
     "index_name",
     "live_name",

@@ -32,6 +32,12 @@ SQLITE_UPSERT = (3, 24, 0)
 _DOUBLE: sa.Double[float] = sa.Double()
 
 
+def rowcount(result: Any) -> int:
+    """The rows a statement's ``result`` changed (1 or 0 for the fenced writes)."""
+    count: int = result.rowcount
+    return count
+
+
 class _Binds:
     """The bound parameters and literals the statements share."""
 
@@ -121,6 +127,7 @@ class Statements:
             else_=b.zero,
         )
         self._claims(table)
+        self._take_overs(table)
         self._liveness(live_table)
         self._fenced(table)
         self._marks(table)
@@ -153,8 +160,8 @@ class Statements:
         return insert.execution_options(preserve_rowcount=True)
 
     def _claims(self, table: sa.Table) -> None:
-        """A claim: insert if absent, read what is in the way, replace an expired record, take
-        over a claim whose lease ran out, or hand on one whose owner is known dead."""
+        """A claim: insert if absent, read what is in the way, replace an expired record, or
+        take over a claim whose lease ran out."""
         b, c = self._b, table.c
         claimed = {
             "status": b.in_progress,
@@ -181,6 +188,7 @@ class Statements:
             c.worker,
             c.receipts,  # a duplicate's answer shows what its record awaits (None: nothing)
             c.crashes,
+            c.sends_at,
         ).where(c.key == b.key)
         # An expired record (mark or claim) counts as absent: replace it wholesale, provided
         # it is still the record that was read and still expired.
@@ -207,6 +215,11 @@ class Statements:
             .values({k: v for k, v in claimed.items() if k not in ("status", "created_at")})
             .values(crashes=sa.func.coalesce(c.crashes, 0) + 1)
         )
+
+    def _take_overs(self, table: sa.Table) -> None:
+        """A live claim whose owner is known dead, handed on whatever its lease says, and the
+        count of take-overs its new owner reads back."""
+        b, c = self._b, table.c
         # A live claim whose owner is known dead: hand it on, fenced by the owner read.
         self.take_over = (
             sa.update(table)
@@ -324,8 +337,8 @@ class Statements:
         )
 
     def _handoff(self, table: sa.Table) -> None:
-        """The hand-off: take the dispatch lease of pending sends, read them, clear them once
-        published, and list the keys whose sends are pending (the relay)."""
+        """The hand-off: take the dispatch lease of pending sends, read them, and clear them
+        once published."""
         b, c = self._b, table.c
         pending = sa.and_(c.key == b.key, c.status == b.sending, c.sends_at <= b.now - b.age)
         self.take_sends = (
@@ -351,12 +364,6 @@ class Statements:
             )
         )
         self.dispatched_awaiting = self.dispatched.values(b.awaiting(c.expires_at))
-        self.pending = (
-            sa.select(c.key)
-            .where(c.status == b.sending, c.sends_at <= b.now - b.age)
-            .order_by(c.sends_at)
-            .limit(b.limit)
-        )
 
     def _receipts(self, table: sa.Table) -> None:
         """Receipts (:mod:`taskonce.receipts`): take the relay's lease on a record's awaited
@@ -429,7 +436,8 @@ class Statements:
         return sa.union_all(sa.select(sends), sa.select(receipts))
 
     def _reads(self, table: sa.Table) -> None:
-        """Reads of live records (one key, or keys matching a LIKE pattern) and the counts."""
+        """Reads of live records (one key, or keys matching a LIKE pattern) and the count of
+        expired ones."""
         b, c = self._b, table.c
         record_columns = (
             c.key,
@@ -445,6 +453,7 @@ class Statements:
             c.sends,
             c.receipts,
             c.crashes,
+            c.sends_at,
         )
         self.get = sa.select(*record_columns).where(c.key == b.key, c.expires_at > b.now)
         # p_pattern: a LIKE pattern with "/" as its escape character (see SQLStore.records)
@@ -456,19 +465,11 @@ class Statements:
         def count(condition: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
             return sa.func.coalesce(sa.func.sum(sa.case((condition, 1), else_=0)), 0)
 
-        alive = c.expires_at > b.now
-        # awaited: due some time (given up on: sends_at NULL); pending sends are 'sending'
-        awaited = sa.and_(alive, c.status == b.completed, c.sends_at.is_not(None))
-        self.stats = sa.select(
-            count(alive).label("keys"),
-            count(sa.and_(alive, c.status == b.in_progress)).label("in_progress"),
-            count(sa.and_(alive, c.status != b.in_progress, c.status != b.quarantined)).label(
-                "completed"
-            ),
-            count(sa.and_(alive, c.status == b.quarantined)).label("quarantined"),
-            count(c.expires_at <= b.now).label("expired"),
-            count(c.status == b.sending).label("sends_pending"),
-            count(awaited).label("receipts_awaited"),
+        # records a purge would delete, and those kept past their expiry for their sends
+        expired = c.expires_at <= b.now
+        self.expired = sa.select(
+            count(expired).label("expired"),
+            count(sa.and_(expired, c.status == b.sending)).label("expired_sending"),
         )
 
     def purge(self, batch: int) -> sa.Executable:
@@ -501,4 +502,4 @@ class Statements:
         return sa.delete(self._table).where(c.key.in_(chosen.scalar_subquery()), expired)
 
 
-__all__ = ["NOW_SQL", "SQLITE_UPSERT", "Statements"]
+__all__ = ["NOW_SQL", "SQLITE_UPSERT", "Statements", "rowcount"]

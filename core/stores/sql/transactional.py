@@ -1,31 +1,27 @@
-"""The SQL store's transactional extension: the store's writes inside the caller's database
-transaction. The transactional mode (``Policy(transactional=True)``) writes the mark in the
-handler's transaction (:meth:`SQLTransactions.open_session`, :meth:`SQLTransactions.mark_in`,
-:meth:`SQLTransactions.complete_in`); the producer outbox writes sends in the application's
-(:meth:`SQLTransactions.check_shared`, :meth:`SQLTransactions.record_sends_in`).
+"""The SQL store's transactions on its own engines: the transactional mode
+(``Policy(transactional=True)``) opens the handler's session here
+(:meth:`SQLTransactions.open_session`), and the producer outbox checks that an application's
+engine reaches the store's database (:meth:`SQLTransactions.check_shared`). The writes through
+either (``mark_in``, ``complete_in``, ``record_sends_in``) are the SQL base's
+(:mod:`.base`), the same for Django's store.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.orm import Session
 
-from taskonce.errors import ConfigError, InvalidInput
-from taskonce.stores.base import TransactionalStore
+from taskonce.errors import ConfigError
 from taskonce.stores.sql.connecting import FAMILIES, sqlite_path
-from taskonce.stores.sql.schema import check_key, check_token
 
 
-class SQLTransactions(TransactionalStore):
-    """:class:`~taskonce.stores.base.TransactionalStore` on the SQL store's tables: the part
-    of :class:`~taskonce.stores.sql.SQLStore` that writes through a caller's transaction. It
-    uses the store's engines and its two writes (a fenced completion, a mark), which the store
-    provides."""
+class SQLTransactions(abc.ABC):
+    """The part of :class:`~taskonce.stores.sql.SQLStore` that opens sessions on its
+    transactional engine and checks an application's engine against its own."""
 
     _url: URL
     _family: str
@@ -45,35 +41,6 @@ class SQLTransactions(TransactionalStore):
     @abc.abstractmethod
     def _transactional_engine(self) -> Engine:
         """The engine with ordinary transactions."""
-
-    @abc.abstractmethod
-    def _complete(
-        self,
-        connection: Connection,
-        key: str,
-        owner: str,
-        keep_for: float,
-        result: str | None,
-        sends: Sequence[str],
-        dispatch_lease: float,
-    ) -> None:
-        """The fenced completion through ``connection``."""
-
-    @abc.abstractmethod
-    def _mark(
-        self,
-        connection: Connection,
-        key: str,
-        keep_for: float,
-        fingerprint: str | None,
-        result: str | None,
-        sends: Sequence[str],
-        token: str,
-        dispatch_lease: float,
-        *,
-        locking: bool,
-    ) -> bool:
-        """The mark through ``connection``."""
 
     def open_session(self) -> Session:
         """A :class:`~sqlalchemy.orm.Session` on the transactional engine, already begun.
@@ -101,60 +68,6 @@ class SQLTransactions(TransactionalStore):
             session.close()
             raise
         return session
-
-    def complete_in(
-        self,
-        session: Session,
-        key: str,
-        owner: str,
-        keep_for: float,
-        result: str | None,
-        sends: Sequence[str] = (),
-        dispatch_lease: float = 0.0,
-    ) -> None:
-        """:meth:`complete`, written through ``session``'s transaction (not committed here),
-        with ``sends``: the handler's rows, the mark and its sends commit together.
-
-        :class:`LeaseLost` when the claim is no longer ``owner``'s.
-        """
-        with self._errors("complete_in"):
-            self._complete(
-                session.connection(), key, owner, keep_for, result, sends, dispatch_lease
-            )
-
-    def mark_in(
-        self,
-        session: Session,
-        key: str,
-        keep_for: float,
-        fingerprint: str | None,
-        result: str | None,
-        sends: Sequence[str] = (),
-        token: str = "",
-        dispatch_lease: float = 0.0,
-    ) -> bool:
-        """:meth:`mark`, written through ``session``'s transaction (not committed here), with
-        ``sends``.
-
-        A concurrent transaction's uncommitted mark of the same key makes this wait for it
-        (PostgreSQL, InnoDB; SQLite serialises write transactions anyway): when it commits this
-        returns False — a concurrent duplicate, so the caller rolls back — and when it rolls
-        back this writes the mark and returns True.
-        """
-        check_key(key)
-        check_token("fingerprint", fingerprint)
-        with self._errors("mark_in"):
-            return self._mark(
-                session.connection(),
-                key,
-                keep_for,
-                fingerprint,
-                result,
-                sends,
-                token,
-                dispatch_lease,
-                locking=True,
-            )
 
     # -- the producer outbox -----------------------------------------------------------------
 
@@ -194,28 +107,6 @@ class SQLTransactions(TransactionalStore):
             )
         # Now, not inside the application's transaction (SQLite: it holds the write lock).
         self._ensure_ready("send_on_commit")
-
-    def record_sends_in(
-        self,
-        connection: Connection,
-        key: str,
-        sends: Sequence[str],
-        token: str,
-        keep_for: float,
-        dispatch_lease: float,
-    ) -> None:
-        """Write a record ``key`` holding ``sends`` (pending, dispatch lease held by ``token``
-        for ``dispatch_lease`` seconds) through ``connection``'s transaction, not committed
-        here: the application's rows and the sends commit or roll back together."""
-        check_key(key)
-        check_token("token", token)
-        self._ensure_ready("record_sends_in")
-        with self._errors("record_sends_in"):
-            wrote = self._mark(
-                connection, key, keep_for, None, None, sends, token, dispatch_lease, locking=True
-            )
-        if not wrote:
-            raise InvalidInput(f"outbox record {key!r} exists already")
 
 
 __all__ = ["SQLTransactions"]
