@@ -51,7 +51,8 @@ from taskonce.policy import Policies, Policy
 from taskonce.record import OutcomeWriter, decode_result, record_run, undo_run
 from taskonce.relay import RelayThread
 from taskonce.session import close_session, open_session
-from taskonce.stores.base import ClaimOutcome, Record, Status, Store, TransactionalStore
+from taskonce.stores.base import ClaimOutcome, Record, Status, Store
+from taskonce.stores.transactional import TransactionalStore
 from taskonce.ticket import Decision, Delivery, Outcome, Ticket, emit_event
 from taskonce.worker import Liveness, identity, identity_text, judge_owner
 

@@ -26,7 +26,7 @@ from taskonce import handoff
 from taskonce.errors import ConfigError, StoreUnavailable
 from taskonce.events import Event, Sinks, make_event
 from taskonce.handoff import Capture, Send
-from taskonce.stores.base import TransactionalStore
+from taskonce.stores.transactional import TransactionalStore
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection

@@ -2,7 +2,7 @@
 (:func:`record_run`), and :meth:`~taskonce.Guard.fail` undoes it (:func:`undo_run`).
 
 The writer is chosen once — the store, or (transactional mode) the store inside the handler's
-session, a :class:`~taskonce.stores.base.TransactionalStore` — then one write: complete the
+session, a :class:`~taskonce.stores.transactional.TransactionalStore` — then one write: complete the
 claim (eager) or write the mark (lazy), with the sends the handler made; a store blip is
 retried (:func:`final_write`); the transaction is committed after a mark that wrote. Then the
 sends are published (:mod:`taskonce.dispatch`).
@@ -24,7 +24,8 @@ from taskonce.errors import InvalidInput, LeaseLost, StoreUnavailable
 from taskonce.events import Event
 from taskonce.handoff import end_capture
 from taskonce.session import close_session
-from taskonce.stores.base import Record, Status, Store, TransactionalStore
+from taskonce.stores.base import Record, Status, Store
+from taskonce.stores.transactional import TransactionalStore
 from taskonce.ticket import Ticket
 
 if TYPE_CHECKING:

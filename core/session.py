@@ -6,7 +6,8 @@ import contextvars
 from typing import TYPE_CHECKING
 
 from taskonce.errors import TaskonceError
-from taskonce.stores.base import Store, TransactionalStore
+from taskonce.stores.base import Store
+from taskonce.stores.transactional import TransactionalStore
 from taskonce.ticket import Ticket, reset_var
 
 if TYPE_CHECKING:

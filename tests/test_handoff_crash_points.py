@@ -34,10 +34,8 @@ import taskonce
 from taskonce import handoff
 from taskonce.errors import InProgressElsewhere
 from taskonce.guard import Delivery
-from taskonce.stores.base import (
-    Store,
-    TransactionalStore,
-)
+from taskonce.stores.base import Store
+from taskonce.stores.transactional import TransactionalStore
 from tests.helpers import STORE_KINDS, drop_store, make_store
 
 K = 3  # children per parent

@@ -130,7 +130,9 @@ def test_purge_keeps_expired_records_with_pending_sends(kind: str, tmp_path: Any
     store.mark("q:pending", 0.05, None, None, SENDS, "t")
     store.mark("q:plain", 0.05, None, None)
     wait_for(lambda: store.stats()["expired"] == 2, timeout=5, what="both to expire")
+    assert store.expired() == 2  # what `taskonce stats` reads beside its scan
     assert store.purge() == 1
+    assert store.expired() == 1  # the one kept for its pending sends
     assert store.due_for_relay().sends == ["q:pending"]
     assert store.get("q:pending") is None  # expired: a new delivery of the key may run
     lease = store.take_sends("q:pending", "relay", 30)

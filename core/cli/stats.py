@@ -24,7 +24,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     """Count the store's records (of ``--queue``, or of every queue and all)."""
     queue = getattr(args, "queue", None)
     with open_existing(args, read_only=True) as store:
-        expired = int(store.stats()["expired"])
+        expired = store.expired()  # the scan below counts the live ones
         key_prefix = "" if queue is None else queue_prefix(queue)
         queues: dict[str, dict[str, int]] = {}
         for record in store.records(key_prefix):

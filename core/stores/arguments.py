@@ -11,6 +11,7 @@ every store, so moving from memory or Redis to SQL never starts refusing keys.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 from taskonce import checks
@@ -31,6 +32,9 @@ __all__ = [
     "check_text",
     "check_token",
     "check_worker",
+    "completion",
+    "encode_sends",
+    "marking",
 ]
 
 
@@ -133,3 +137,50 @@ def check_awaiting(awaiting: object) -> Awaiting | None:
     if awaiting is not None and not isinstance(awaiting, Awaiting):
         raise InvalidInput(f"awaiting {awaiting!r} must be None or an Awaiting")
     return awaiting
+
+
+def encode_sends(sends: Sequence[str]) -> str | None:
+    """The sends a write records, as the one JSON array text every store keeps; None for none."""
+    return json.dumps(list(sends)) if sends else None
+
+
+def completion(
+    key: object,
+    owner: object,
+    keep_for: object,
+    result: object,
+    sends: object,
+    dispatch_lease: object,
+) -> tuple[str, str, float, str | None, str | None, float]:
+    """A completion's arguments checked, its sends encoded (``complete``, ``complete_in``)."""
+    return (
+        check_key(key),
+        check_token("owner", owner),
+        check_seconds("keep_for", keep_for),
+        check_result(result),
+        encode_sends(check_sends(sends)),
+        check_seconds("dispatch_lease", dispatch_lease, zero=True),
+    )
+
+
+def marking(
+    key: object,
+    keep_for: object,
+    fingerprint: object,
+    result: object,
+    sends: object,
+    token: object,
+    dispatch_lease: object,
+) -> tuple[str, float, str | None, str | None, str | None, str, float]:
+    """A mark's arguments checked, its sends encoded (``mark``, ``mark_in``); the dispatch
+    token only matters, and is only checked, with sends."""
+    encoded = encode_sends(check_sends(sends))
+    return (
+        check_key(key),
+        check_seconds("keep_for", keep_for),
+        check_fingerprint(fingerprint),
+        check_result(result),
+        encoded,
+        check_token("token", token) if encoded else "",
+        check_seconds("dispatch_lease", dispatch_lease, zero=True),
+    )

@@ -39,7 +39,7 @@ import json
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from taskonce.errors import InvalidInput, LeaseLost
+from taskonce.errors import LeaseLost
 from taskonce.stores import arguments as check
 from taskonce.stores.answers import (
     LIVENESS_RETENTION,
@@ -60,55 +60,7 @@ from taskonce.stores.answers import (
 )
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine import Connection, Engine
-    from sqlalchemy.orm import Session
-
-
-def encode_sends(sends: Sequence[str]) -> str | None:
-    """The sends a write records, as the one JSON array text every store keeps; None for none."""
-    return json.dumps(list(sends)) if sends else None
-
-
-def _completion(
-    key: object,
-    owner: object,
-    keep_for: object,
-    result: object,
-    sends: object,
-    dispatch_lease: object,
-) -> tuple[str, str, float, str | None, str | None, float]:
-    """A completion's arguments checked, its sends encoded (``complete``, ``complete_in``)."""
-    return (
-        check.check_key(key),
-        check.check_token("owner", owner),
-        check.check_seconds("keep_for", keep_for),
-        check.check_result(result),
-        encode_sends(check.check_sends(sends)),
-        check.check_seconds("dispatch_lease", dispatch_lease, zero=True),
-    )
-
-
-def _marking(
-    key: object,
-    keep_for: object,
-    fingerprint: object,
-    result: object,
-    sends: object,
-    token: object,
-    dispatch_lease: object,
-) -> tuple[str, float, str | None, str | None, str | None, str, float]:
-    """A mark's arguments checked, its sends encoded (``mark``, ``mark_in``); the dispatch
-    token only matters, and is only checked, with sends."""
-    encoded = encode_sends(check.check_sends(sends))
-    return (
-        check.check_key(key),
-        check.check_seconds("keep_for", keep_for),
-        check.check_fingerprint(fingerprint),
-        check.check_result(result),
-        encoded,
-        check.check_token("token", token) if encoded else "",
-        check.check_seconds("dispatch_lease", dispatch_lease, zero=True),
-    )
+    pass
 
 
 class StoreKeys(abc.ABC):
@@ -191,7 +143,9 @@ class StoreKeys(abc.ABC):
         with ``owner`` as their dispatch token (see :meth:`dispatched`), which holds their
         dispatch lease for ``dispatch_lease`` seconds: a redelivery that arrives while the
         recorder publishes them waits instead of publishing them a second time."""
-        if not self._complete(*_completion(key, owner, keep_for, result, sends, dispatch_lease)):
+        if not self._complete(
+            *check.completion(key, owner, keep_for, result, sends, dispatch_lease)
+        ):
             raise LeaseLost(key, "complete")
 
     def release(self, key: str, owner: str | None) -> None:
@@ -233,7 +187,7 @@ class StoreKeys(abc.ABC):
         holding their dispatch lease for ``dispatch_lease`` seconds (as in :meth:`complete`).
         """
         return self._mark(
-            *_marking(key, keep_for, fingerprint, result, sends, token, dispatch_lease)
+            *check.marking(key, keep_for, fingerprint, result, sends, token, dispatch_lease)
         )
 
     def get(self, key: str) -> Record | None:
@@ -483,6 +437,11 @@ class StoreOperations(abc.ABC):
         counts["sends_pending"] += expired_sending
         return counts
 
+    def expired(self) -> int:
+        """How many records are past their expiry and still held: what :meth:`purge` would
+        delete (0 where the server deletes expired records itself). One query, no scan."""
+        return self._expired()[0]
+
     def records(self, key_prefix: str = "") -> Iterator[Record]:
         """The live records whose key starts with ``key_prefix``, in no particular order
         (a scan for the CLI and monitoring, not for hot paths)."""
@@ -556,124 +515,6 @@ class Store(StoreKeys, StoreLiveness, StoreSends, StoreReceipts, StoreOperations
         self.close()
 
 
-class TransactionalStore(Store):
-    """A store that can write its records inside the caller's database transaction: the
-    transactional mode (the mark commits with the handler's writes) and the producer outbox
-    (sends commit with the application's rows). The guard and the outbox check for it with
-    ``isinstance``. Implementations: the SQL store and Django's."""
-
-    @abc.abstractmethod
-    def open_session(self) -> Session:
-        """A session on the store's database, its transaction begun: the handler writes through
-        it and :meth:`complete_in` / :meth:`mark_in` add the record; the caller commits."""
-
-    def complete_in(
-        self,
-        session: Session,
-        key: str,
-        owner: str,
-        keep_for: float,
-        result: str | None,
-        sends: Sequence[str] = (),
-        dispatch_lease: float = 0.0,
-    ) -> None:
-        """:meth:`StoreKeys.complete`, written through ``session``'s transaction (not
-        committed): :class:`LeaseLost` when the claim is no longer ``owner``'s."""
-        args = _completion(key, owner, keep_for, result, sends, dispatch_lease)
-        if not self._complete_in(session, *args):
-            raise LeaseLost(key, "complete")
-
-    def mark_in(
-        self,
-        session: Session,
-        key: str,
-        keep_for: float,
-        fingerprint: str | None,
-        result: str | None,
-        sends: Sequence[str] = (),
-        token: str = "",
-        dispatch_lease: float = 0.0,
-    ) -> bool:
-        """:meth:`StoreKeys.mark`, written through ``session``'s transaction (not committed).
-
-        A concurrent transaction's uncommitted mark of the same key makes this wait for it
-        (PostgreSQL, InnoDB; SQLite serialises write transactions anyway): when it commits this
-        returns False — a concurrent duplicate, so the caller rolls back — and when it rolls
-        back this writes the mark and returns True."""
-        return self._mark_in(
-            session, *_marking(key, keep_for, fingerprint, result, sends, token, dispatch_lease)
-        )
-
-    @abc.abstractmethod
-    def check_shared(self, bind: Engine | Connection, in_transaction: bool = False) -> None:
-        """:class:`~taskonce.errors.ConfigError` unless ``bind`` reaches this store's
-        database."""
-
-    def record_sends_in(
-        self,
-        connection: Connection,
-        key: str,
-        sends: Sequence[str],
-        token: str,
-        keep_for: float,
-        dispatch_lease: float,
-    ) -> None:
-        """Write a record ``key`` holding ``sends`` (pending, dispatch lease held by ``token``
-        for ``dispatch_lease`` seconds) through ``connection``'s transaction (not committed):
-        the producer outbox's rows, which commit or roll back with the application's.
-        :class:`~taskonce.errors.InvalidInput` when ``key`` is recorded already."""
-        encoded = encode_sends(check.check_sends(sends))
-        if encoded is None:
-            raise InvalidInput(f"outbox record {key!r} holds no sends")
-        self._record_sends_in(
-            connection,
-            check.check_key(key),
-            encoded,
-            check.check_token("token", token),
-            check.check_seconds("keep_for", keep_for),
-            check.check_seconds("dispatch_lease", dispatch_lease, zero=True),
-        )
-
-    @abc.abstractmethod
-    def _complete_in(
-        self,
-        session: Session,
-        key: str,
-        owner: str,
-        keep_for: float,
-        result: str | None,
-        sends: str | None,
-        dispatch_lease: float,
-    ) -> bool:
-        """:meth:`complete_in`'s fenced write: False when the claim is not ``owner``'s."""
-
-    @abc.abstractmethod
-    def _mark_in(
-        self,
-        session: Session,
-        key: str,
-        keep_for: float,
-        fingerprint: str | None,
-        result: str | None,
-        sends: str | None,
-        token: str,
-        dispatch_lease: float,
-    ) -> bool:
-        """:meth:`mark_in`'s write."""
-
-    @abc.abstractmethod
-    def _record_sends_in(
-        self,
-        connection: Connection,
-        key: str,
-        sends: str,
-        token: str,
-        keep_for: float,
-        dispatch_lease: float,
-    ) -> None:
-        """:meth:`record_sends_in`'s write."""
-
-
 __all__ = [
     "LIVENESS_RETENTION",
     "MAX_KEY_LENGTH",
@@ -697,6 +538,4 @@ __all__ = [
     "StoreReceipts",
     "StoreSends",
     "StrEnum",
-    "TransactionalStore",
-    "encode_sends",
 ]

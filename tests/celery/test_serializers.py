@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 import taskonce
 from taskonce.celery_ext import setup
-from taskonce.stores.base import TransactionalStore
+from taskonce.stores.transactional import TransactionalStore
 from tests.celery.conftest import Stack, Table, start_stack, stop_stack
 from tests.celery.typed_tasks import SHAPES, send_shape, typed_sig
 from tests.helpers import POSTGRES_URL, wait_for

@@ -413,6 +413,16 @@ class SQLBase(SQLReceipts):
         if not wrote:
             raise InvalidInput(f"outbox record {key!r} exists already")
 
+    @property
+    def table_label(self) -> str:
+        """The keys table as messages name it (``schema.table``)."""
+        return self._table_label
+
+    @property
+    def where(self) -> str:
+        """The database as messages name it (its URL without the password)."""
+        return self._redacted
+
     def describe(self) -> str:
         return f"{type(self).__name__} {self._redacted} (table {self._table_label})"
 

@@ -17,8 +17,9 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from taskonce.stores.base import Awaiting, DueForRelay, ReceiptLease, TransactionalStore
+from taskonce.stores.base import Awaiting, DueForRelay, ReceiptLease
 from taskonce.stores.sql.statements import Statements, rowcount
+from taskonce.stores.transactional import TransactionalStore
 
 
 def awaiting_params(awaiting: Awaiting) -> dict[str, Any]:

@@ -240,7 +240,7 @@ def init_db(url: str, table: str | None = None) -> str:
     finally:
         store.close()
     verb = "created" if created else "already present:"
-    return f"{verb} table {store._table_label} in {store._redacted}"
+    return f"{verb} table {store.table_label} in {store.where}"
 
 
 __all__ = ["DEFAULT_TABLE", "SQLStore", "init_db"]
