@@ -81,7 +81,6 @@ def _guard_options(values: Mapping[str, Any]) -> list[CheckMessage]:
     and the worker options (``RELAY_EVERY``, …), each by the check that refuses it in use."""
     from taskonce.dispatch import check_dispatch_lease
     from taskonce.django_ext import conf
-    from taskonce.events import EventSink
     from taskonce.handoff import check_send_limit
 
     problems: list[str] = []
@@ -90,15 +89,7 @@ def _guard_options(values: Mapping[str, Any]) -> list[CheckMessage]:
             problems.append(
                 f'settings.TASKONCE["{name}"] must be a dict, not {type(values[name]).__name__}'
             )
-    try:
-        for sink in list(values["EVENTS"]):
-            if not isinstance(sink, EventSink):
-                problems.append(f"Guard(events=…): {sink!r} has no emit(event) method")
-    except TypeError:
-        problems.append(
-            'settings.TASKONCE["EVENTS"] must be a list of event sinks, not '
-            f"{type(values['EVENTS']).__name__}"
-        )
+    problems += _event_sink_problems(values["EVENTS"])
     if values["SEND_LIMIT"] is not None:
         try:
             check_send_limit(values["SEND_LIMIT"])
@@ -123,6 +114,23 @@ def _guard_options(values: Mapping[str, Any]) -> list[CheckMessage]:
         )
         for text in problems
     ]
+
+
+def _event_sink_problems(events: Any) -> list[str]:
+    """What the guard would refuse in ``EVENTS``: not iterable, or a sink without ``emit``."""
+    from taskonce.events import EventSink
+
+    problems: list[str] = []
+    try:
+        for sink in list(events):
+            if not isinstance(sink, EventSink):
+                problems.append(f"Guard(events=…): {sink!r} has no emit(event) method")
+    except TypeError:
+        problems.append(
+            'settings.TASKONCE["EVENTS"] must be a list of event sinks, not '
+            f"{type(events).__name__}"
+        )
+    return problems
 
 
 #: How Policy's own errors name the field they are about: ``Policy.mode='eagre' is not …``.

@@ -181,12 +181,7 @@ class SharedTrips:
         if self._own_connection and not waits:
             self._send_own_batch(batch)
             return
-        pipe = self._client.pipeline(transaction=False)
-        for call in batch:
-            pipe.execute_command(*command_of(call.script, call.name, call.args))  # type: ignore[no-untyped-call]
-        if waits:
-            assert self._wait is not None
-            pipe.wait(*self._wait)
+        pipe = self._pipeline(batch, waits)
         try:
             replies = pipe.execute(raise_on_error=False)
             acked = replies.pop() if waits else None
@@ -195,20 +190,35 @@ class SharedTrips:
         except (redis.exceptions.DataError, UnicodeError):
             # An argument redis-py cannot encode fails the pipeline before anything is sent:
             # send each call alone, so only the bad one fails.
-            for call in batch:
-                if waits and len(batch) > 1:
-                    self._send([call])
-                else:
-                    self._send_one(call)
+            self._send_apart(batch, waits)
             return
         except Exception as exc:  # the whole round trip failed
-            for call in batch:
-                call.answer(error=exc if call is batch[0] or cannot_answer(exc) else _shared(exc))
+            _answer_failed(batch, exc)
             return
         if acked is not None:
             self._answer_replicated(batch, replies, int(acked), loaded)
             return
         self._answer(batch, replies)
+
+    def _pipeline(self, batch: list[Call], waits: bool) -> Any:
+        """A round trip's pipeline (no MULTI): every call's command, then the WAIT if the
+        round trip ``waits`` for replicas."""
+        pipe = self._client.pipeline(transaction=False)
+        for call in batch:
+            pipe.execute_command(*command_of(call.script, call.name, call.args))  # type: ignore[no-untyped-call]
+        if waits:
+            assert self._wait is not None
+            pipe.wait(*self._wait)
+        return pipe
+
+    def _send_apart(self, batch: list[Call], waits: bool) -> None:
+        """Send each call of ``batch`` on a round trip of its own, with its WAIT if ``waits``;
+        a batch of one needs none, its call is the one whose arguments cannot be encoded."""
+        for call in batch:
+            if waits and len(batch) > 1:
+                self._send([call])
+            else:
+                self._send_one(call)
 
     def _answer(self, batch: list[Call], replies: list[Any]) -> None:
         """Answer each call of a round trip with its own reply; a call whose script the server
@@ -318,26 +328,12 @@ class SharedTrips:
                 sendable.append(call)
             if not sendable:
                 return
-
-            def attempt() -> list[Any]:
-                conn.send_packed_command(packed)
-                replies: list[Any] = []
-                for _ in sendable:
-                    try:
-                        replies.append(conn.read_response())
-                    except redis.exceptions.ResponseError as exc:  # this call's own error
-                        replies.append(exc)
-                return replies
-
-            replies = conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
+            replies = _exchange(conn, packed, len(sendable))
         except BaseException as exc:
             self._drop_connection()
             if not isinstance(exc, Exception):
                 raise  # an interruption: the sender's handler answers the calls
-            for call in sendable:
-                call.answer(
-                    error=exc if call is sendable[0] or cannot_answer(exc) else _shared(exc)
-                )
+            _answer_failed(sendable, exc)
             return
         if any(cannot_answer(reply) for reply in replies if isinstance(reply, BaseException)):
             self._drop_connection()  # e.g. a master demoted by a failover: find the new one
@@ -393,6 +389,25 @@ class SharedTrips:
             leads = call.leads
         if leads:
             self._hand_over(call)
+
+
+def _exchange(conn: Any, packed: list[bytes], count: int) -> list[Any]:
+    """One round trip down ``conn`` as its retry policy says: the packed commands in one write,
+    then their ``count`` replies read in order; a call's own error (a ``ResponseError``) is its
+    reply."""
+
+    def attempt() -> list[Any]:
+        conn.send_packed_command(packed)
+        replies: list[Any] = []
+        for _ in range(count):
+            try:
+                replies.append(conn.read_response())
+            except redis.exceptions.ResponseError as exc:  # this call's own error
+                replies.append(exc)
+        return replies
+
+    replies: list[Any] = conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
+    return replies
 
 
 def _redis_py_pack(conn: Any, command: tuple[Any, ...]) -> list[bytes]:
@@ -474,6 +489,14 @@ def _interrupted() -> redis.exceptions.ConnectionError:
         "the thread sending this shared round trip was interrupted; the script may or may not "
         "have run"
     )
+
+
+def _answer_failed(batch: list[Call], exc: Exception) -> None:
+    """Answer every call of a round trip that failed as a whole with ``exc``: the first call
+    gets ``exc`` itself and the others :func:`_shared` errors, except that an error saying
+    Redis cannot answer goes to every caller as is (each turns it into StoreUnavailable)."""
+    for call in batch:
+        call.answer(error=exc if call is batch[0] or cannot_answer(exc) else _shared(exc))
 
 
 def _shared(exc: Exception) -> Exception:
