@@ -34,7 +34,7 @@ import taskonce
 from taskonce import handoff
 from taskonce.errors import InProgressElsewhere
 from taskonce.guard import Delivery
-from taskonce.stores.base import Store
+from taskonce.stores.base import Completion, Marking, Store
 from taskonce.stores.transactional import TransactionalStore
 from tests.helpers import STORE_KINDS, drop_store, make_store
 
@@ -101,9 +101,10 @@ def _killable(name: str, operation: str) -> Callable[..., Any]:
     """The inner store's primitive ``name``, called through the :class:`Killer` as
     ``operation``."""
 
-    def primitive(self: KillableStore, key: str, *args: Any) -> Any:
+    def primitive(self: KillableStore, first: Any, *args: Any) -> Any:
         inner = getattr(self.inner, name)
-        return self.killer.call(operation, key, lambda: inner(key, *args))
+        key = getattr(first, "key", first)  # a Completion or Marking carries its key
+        return self.killer.call(operation, key, lambda: inner(first, *args))
 
     return primitive
 
@@ -167,18 +168,18 @@ class KillableSQLStore(KillableStore, TransactionalStore):
         session.commit = lambda: self.killer.call("commit", session.info["key"], commit)
         return session
 
-    def _complete_in(self, session: Any, key: str, *args: Any) -> bool:
-        session.info["key"] = key
+    def _complete_in(self, session: Any, done: Completion) -> bool:
+        session.info["key"] = done.key
         inner: Any = self.inner
         return self.killer.call(  # type: ignore[no-any-return]
-            "complete_in", key, lambda: inner._complete_in(session, key, *args)
+            "complete_in", done.key, lambda: inner._complete_in(session, done)
         )
 
-    def _mark_in(self, session: Any, key: str, *args: Any) -> bool:
-        session.info["key"] = key
+    def _mark_in(self, session: Any, mark: Marking) -> bool:
+        session.info["key"] = mark.key
         inner: Any = self.inner
         return self.killer.call(  # type: ignore[no-any-return]
-            "mark_in", key, lambda: inner._mark_in(session, key, *args)
+            "mark_in", mark.key, lambda: inner._mark_in(session, mark)
         )
 
 

@@ -117,6 +117,34 @@ class Record:
 
 
 @dataclasses.dataclass(frozen=True)
+class Completion:
+    """A completion's arguments, checked, its sends encoded: what :meth:`Store.complete` and
+    ``complete_in`` hand their primitive. ``owner`` fences the write and is the sends' dispatch
+    token."""
+
+    key: str
+    owner: str
+    keep_for: float
+    result: str | None
+    sends: str | None
+    dispatch_lease: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Marking:
+    """A mark's arguments, checked, its sends encoded: what :meth:`Store.mark` and ``mark_in``
+    hand their primitive. ``token`` is the sends' dispatch token ("" without sends)."""
+
+    key: str
+    keep_for: float
+    fingerprint: str | None
+    result: str | None
+    sends: str | None
+    token: str
+    dispatch_lease: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Seen:
     """A worker's liveness record as :meth:`~taskonce.stores.base.StoreLiveness.seen` reads
     it, by the store's clock."""

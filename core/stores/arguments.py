@@ -16,7 +16,14 @@ from collections.abc import Sequence
 
 from taskonce import checks
 from taskonce.errors import InvalidInput
-from taskonce.stores.answers import MAX_KEY_LENGTH, MAX_TOKEN_LENGTH, MAX_WORKER_LENGTH, Awaiting
+from taskonce.stores.answers import (
+    MAX_KEY_LENGTH,
+    MAX_TOKEN_LENGTH,
+    MAX_WORKER_LENGTH,
+    Awaiting,
+    Completion,
+    Marking,
+)
 
 _INF = float("inf")
 
@@ -151,9 +158,9 @@ def completion(
     result: object,
     sends: object,
     dispatch_lease: object,
-) -> tuple[str, str, float, str | None, str | None, float]:
+) -> Completion:
     """A completion's arguments checked, its sends encoded (``complete``, ``complete_in``)."""
-    return (
+    return Completion(
         check_key(key),
         check_token("owner", owner),
         check_seconds("keep_for", keep_for),
@@ -171,11 +178,11 @@ def marking(
     sends: object,
     token: object,
     dispatch_lease: object,
-) -> tuple[str, float, str | None, str | None, str | None, str, float]:
+) -> Marking:
     """A mark's arguments checked, its sends encoded (``mark``, ``mark_in``); the dispatch
     token only matters, and is only checked, with sends."""
     encoded = encode_sends(check_sends(sends))
-    return (
+    return Marking(
         check_key(key),
         check_seconds("keep_for", keep_for),
         check_fingerprint(fingerprint),

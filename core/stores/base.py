@@ -49,7 +49,9 @@ from taskonce.stores.answers import (
     Awaiting,
     Claim,
     ClaimOutcome,
+    Completion,
     DueForRelay,
+    Marking,
     ReceiptLease,
     Record,
     Seen,
@@ -144,7 +146,7 @@ class StoreKeys(abc.ABC):
         dispatch lease for ``dispatch_lease`` seconds: a redelivery that arrives while the
         recorder publishes them waits instead of publishing them a second time."""
         if not self._complete(
-            *check.completion(key, owner, keep_for, result, sends, dispatch_lease)
+            check.completion(key, owner, keep_for, result, sends, dispatch_lease)
         ):
             raise LeaseLost(key, "complete")
 
@@ -187,7 +189,7 @@ class StoreKeys(abc.ABC):
         holding their dispatch lease for ``dispatch_lease`` seconds (as in :meth:`complete`).
         """
         return self._mark(
-            *check.marking(key, keep_for, fingerprint, result, sends, token, dispatch_lease)
+            check.marking(key, keep_for, fingerprint, result, sends, token, dispatch_lease)
         )
 
     def get(self, key: str) -> Record | None:
@@ -220,15 +222,7 @@ class StoreKeys(abc.ABC):
         """:meth:`quarantine`, fenced by ``owner``: False when the claim is not ``owner``'s."""
 
     @abc.abstractmethod
-    def _complete(
-        self,
-        key: str,
-        owner: str,
-        keep_for: float,
-        result: str | None,
-        sends: str | None,
-        dispatch_lease: float,
-    ) -> bool:
+    def _complete(self, done: Completion) -> bool:
         """:meth:`complete` with ``sends`` encoded (:func:`encode_sends`), fenced by ``owner``:
         False when the claim is not ``owner``'s."""
 
@@ -246,16 +240,7 @@ class StoreKeys(abc.ABC):
         """:meth:`renew`, fenced by ``owner``: False when the claim is not ``owner``'s."""
 
     @abc.abstractmethod
-    def _mark(
-        self,
-        key: str,
-        keep_for: float,
-        fingerprint: str | None,
-        result: str | None,
-        sends: str | None,
-        token: str,
-        dispatch_lease: float,
-    ) -> bool:
+    def _mark(self, mark: Marking) -> bool:
         """:meth:`mark` with ``sends`` encoded: False when a live record exists."""
 
     @abc.abstractmethod
@@ -524,7 +509,9 @@ __all__ = [
     "Awaiting",
     "Claim",
     "ClaimOutcome",
+    "Completion",
     "DueForRelay",
+    "Marking",
     "ReceiptLease",
     "Record",
     "Seen",

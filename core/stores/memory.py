@@ -18,7 +18,9 @@ from taskonce.stores.base import (
     Awaiting,
     Claim,
     ClaimOutcome,
+    Completion,
     DueForRelay,
+    Marking,
     ReceiptLease,
     Record,
     Status,
@@ -175,28 +177,20 @@ class MemoryStore(Store):
             beat = self._beats.get(worker)
             return None if beat is None else (now - beat[0], beat[1] - now)
 
-    def _complete(
-        self,
-        key: str,
-        owner: str,
-        keep_for: float,
-        result: str | None,
-        sends: str | None,
-        dispatch_lease: float,
-    ) -> bool:
+    def _complete(self, done: Completion) -> bool:
         with self._lock:
             now = self._clock()
-            entry = self._owned(key, owner, now)
+            entry = self._owned(done.key, done.owner, now)
             if entry is None:
                 return False
             entry.status = Status.COMPLETED
             entry.owner = None
             entry.worker = None
             entry.crashes = 0
-            entry.result = result
-            entry.expires_at = now + keep_for  # lease_until stays: the record was claimed
-            if sends:
-                _record_sends(entry, sends, owner, now, dispatch_lease)
+            entry.result = done.result
+            entry.expires_at = now + done.keep_for  # lease_until stays: the record was claimed
+            if done.sends:
+                _record_sends(entry, done.sends, done.owner, now, done.dispatch_lease)
             return True
 
     def _release(self, key: str, owner: str) -> bool:
@@ -220,31 +214,22 @@ class MemoryStore(Store):
             entry.lease_until = now + lease
             return True
 
-    def _mark(
-        self,
-        key: str,
-        keep_for: float,
-        fingerprint: str | None,
-        result: str | None,
-        sends: str | None,
-        token: str,
-        dispatch_lease: float,
-    ) -> bool:
+    def _mark(self, mark: Marking) -> bool:
         with self._lock:
             now = self._clock()
-            if self._live(key, now) is not None:
+            if self._live(mark.key, now) is not None:
                 return False
-            entry = self._entries[key] = _Entry(
+            entry = self._entries[mark.key] = _Entry(
                 status=Status.COMPLETED,
                 owner=None,
-                fingerprint=fingerprint,
-                result=result,
+                fingerprint=mark.fingerprint,
+                result=mark.result,
                 created_at=now,
-                expires_at=now + keep_for,
+                expires_at=now + mark.keep_for,
                 lease_until=0.0,
             )
-            if sends:
-                _record_sends(entry, sends, token, now, dispatch_lease)
+            if mark.sends:
+                _record_sends(entry, mark.sends, mark.token, now, mark.dispatch_lease)
             return True
 
     def _take_sends(

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from taskonce.errors import InvalidInput, LeaseLost
 from taskonce.stores import arguments as check
-from taskonce.stores.base import Store
+from taskonce.stores.base import Completion, Marking, Store
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
@@ -44,8 +44,8 @@ class TransactionalStore(Store):
     ) -> None:
         """:meth:`StoreKeys.complete`, written through ``session``'s transaction (not
         committed): :class:`LeaseLost` when the claim is no longer ``owner``'s."""
-        args = check.completion(key, owner, keep_for, result, sends, dispatch_lease)
-        if not self._complete_in(session, *args):
+        done = check.completion(key, owner, keep_for, result, sends, dispatch_lease)
+        if not self._complete_in(session, done):
             raise LeaseLost(key, "complete")
 
     def mark_in(
@@ -67,7 +67,7 @@ class TransactionalStore(Store):
         back this writes the mark and returns True."""
         return self._mark_in(
             session,
-            *check.marking(key, keep_for, fingerprint, result, sends, token, dispatch_lease),
+            check.marking(key, keep_for, fingerprint, result, sends, token, dispatch_lease),
         )
 
     @abc.abstractmethod
@@ -101,30 +101,11 @@ class TransactionalStore(Store):
         )
 
     @abc.abstractmethod
-    def _complete_in(
-        self,
-        session: Session,
-        key: str,
-        owner: str,
-        keep_for: float,
-        result: str | None,
-        sends: str | None,
-        dispatch_lease: float,
-    ) -> bool:
+    def _complete_in(self, session: Session, done: Completion) -> bool:
         """:meth:`complete_in`'s fenced write: False when the claim is not ``owner``'s."""
 
     @abc.abstractmethod
-    def _mark_in(
-        self,
-        session: Session,
-        key: str,
-        keep_for: float,
-        fingerprint: str | None,
-        result: str | None,
-        sends: str | None,
-        token: str,
-        dispatch_lease: float,
-    ) -> bool:
+    def _mark_in(self, session: Session, mark: Marking) -> bool:
         """:meth:`mark_in`'s write."""
 
     @abc.abstractmethod

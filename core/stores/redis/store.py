@@ -52,7 +52,9 @@ from taskonce.stores.base import (
     Awaiting,
     Claim,
     ClaimOutcome,
+    Completion,
     DueForRelay,
+    Marking,
     ReceiptLease,
     Record,
     Status,
@@ -273,26 +275,18 @@ class RedisStore(Store):
         now, seen, until = (int(text(item) or 0) for item in reply)
         return (now - seen) / 1000.0, (until - now) / 1000.0
 
-    def _complete(
-        self,
-        key: str,
-        owner: str,
-        keep_for: float,
-        result: str | None,
-        sends: str | None,
-        dispatch_lease: float,
-    ) -> bool:
+    def _complete(self, done: Completion) -> bool:
         """Turn ``owner``'s claim into a mark kept ``keep_for`` seconds, with ``sends`` pending
         (same script); False if the claim is no longer ``owner``'s."""
-        keep = ms(keep_for)
+        key, keep = done.key, ms(done.keep_for)
         script = self._scripts.complete
-        args: tuple[Any, ...] = (safe(owner), keep, f"{keep:x}")
-        if sends:
+        args: tuple[Any, ...] = (safe(done.owner), keep, f"{keep:x}")
+        if done.sends:
             script = self._scripts.complete_sends
             index = self._names.index_of(key)
-            args = (*args, index, sends, key, ms(dispatch_lease))
-        if result is not None:
-            args = (*args, result)
+            args = (*args, index, done.sends, key, ms(done.dispatch_lease))
+        if done.result is not None:
+            args = (*args, done.result)
         return bool(int(self._server.run("complete", script, key, args)))
 
     def _release(self, key: str, owner: str) -> bool:
@@ -311,30 +305,21 @@ class RedisStore(Store):
             int(self._server.run("renew", self._scripts.renew, key, (safe(owner), ms(lease))))
         )
 
-    def _mark(
-        self,
-        key: str,
-        keep_for: float,
-        fingerprint: str | None,
-        result: str | None,
-        sends: str | None,
-        token: str,
-        dispatch_lease: float,
-    ) -> bool:
+    def _mark(self, mark: Marking) -> bool:
         """Record ``key`` as handled for ``keep_for`` seconds, with ``sends`` pending (same
         script); False when a live record exists."""
-        keep, fp = ms(keep_for), packed_fp(fingerprint)
-        if not sends:  # one plain SET … NX PX: nil when a live record exists
-            record = layout.mark_record(keep, fp, result)
+        key, keep, fp = mark.key, ms(mark.keep_for), packed_fp(mark.fingerprint)
+        if not mark.sends:  # one plain SET … NX PX: nil when a live record exists
+            record = layout.mark_record(keep, fp, mark.result)
             return bool(self._server.run("mark", SET, key, (record, "NX", "PX", keep)))
         record = layout.sending_record(
             layout.MARKED_SENDING,
             keep,
             fp,
-            safe(token),
-            ms(dispatch_lease),
-            sends,
-            result,
+            safe(mark.token),
+            ms(mark.dispatch_lease),
+            mark.sends,
+            mark.result,
         )
         args = (record, keep, self._names.index_of(key), key)
         return bool(int(self._server.run("mark", self._scripts.mark_sends, key, args)))

@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from taskonce.errors import InvalidInput, StoreUnavailable
-from taskonce.stores.base import Awaiting, Claim, ClaimOutcome, Record
+from taskonce.stores.base import Awaiting, Claim, ClaimOutcome, Completion, Marking, Record
 from taskonce.stores.sql.receipts import SQLReceipts, awaiting_params
 from taskonce.stores.sql.schema import Stored, make_live_table, make_table, to_record
 from taskonce.stores.sql.statements import SQLITE_UPSERT, Statements, rowcount
@@ -161,36 +161,22 @@ class SQLBase(SQLReceipts):
         with self._connect("quarantine") as connection:
             return rowcount(connection.execute(self._sql.quarantine, params)) == 1
 
-    def _complete(
-        self,
-        key: str,
-        owner: str,
-        keep_for: float,
-        result: str | None,
-        sends: str | None,
-        dispatch_lease: float,
-    ) -> bool:
+    def _complete(self, done: Completion) -> bool:
         with self._connect("complete") as connection:
-            return self._complete_on(
-                connection, key, owner, keep_for, result, sends, dispatch_lease
-            )
+            return self._complete_on(connection, done)
 
-    def _complete_on(
-        self,
-        connection: Connection,
-        key: str,
-        owner: str,
-        keep_for: float,
-        result: str | None,
-        sends: str | None,
-        dispatch_lease: float,
-    ) -> bool:
+    def _complete_on(self, connection: Connection, done: Completion) -> bool:
         """The fenced completion through ``connection``: one UPDATE."""
-        params = {"p_key": key, "p_owner": owner, "p_keep": keep_for, "p_result": result}
+        params = {
+            "p_key": done.key,
+            "p_owner": done.owner,
+            "p_keep": done.keep_for,
+            "p_result": done.result,
+        }
         statement = self._sql.complete
-        if sends:
+        if done.sends:
             statement = self._sql.complete_sends
-            params.update(p_sends=sends, p_token=owner, p_send_lease=dispatch_lease)
+            params.update(p_sends=done.sends, p_token=done.owner, p_send_lease=done.dispatch_lease)
         return rowcount(connection.execute(statement, params)) == 1
 
     def _release(self, key: str, owner: str) -> bool:
@@ -207,55 +193,25 @@ class SQLBase(SQLReceipts):
         with self._connect("renew") as connection:
             return rowcount(connection.execute(self._sql.renew, params)) == 1
 
-    def _mark(
-        self,
-        key: str,
-        keep_for: float,
-        fingerprint: str | None,
-        result: str | None,
-        sends: str | None,
-        token: str,
-        dispatch_lease: float,
-    ) -> bool:
+    def _mark(self, mark: Marking) -> bool:
         with self._connect("mark") as connection:
-            return self._mark_on(
-                connection,
-                key,
-                keep_for,
-                fingerprint,
-                result,
-                sends,
-                token,
-                dispatch_lease,
-                locking=False,
-            )
+            return self._mark_on(connection, mark, locking=False)
 
-    def _mark_on(
-        self,
-        connection: Connection,
-        key: str,
-        keep_for: float,
-        fingerprint: str | None,
-        result: str | None,
-        sends: str | None,
-        token: str,
-        dispatch_lease: float,
-        *,
-        locking: bool,
-    ) -> bool:
+    def _mark_on(self, connection: Connection, mark: Marking, *, locking: bool) -> bool:
         """The mark through ``connection``: insert if absent, else replace an expired record,
         else (a live record) False."""
         sql = self._sql
+        key = mark.key
         params = {
             "p_key": key,
-            "p_fingerprint": fingerprint,
-            "p_result": result,
-            "p_keep": keep_for,
+            "p_fingerprint": mark.fingerprint,
+            "p_result": mark.result,
+            "p_keep": mark.keep_for,
         }
         insert, replace = sql.mark_insert, sql.mark_replace_expired
-        if sends:
+        if mark.sends:
             insert, replace = sql.mark_insert_sends, sql.mark_replace_expired_sends
-            params.update(p_sends=sends, p_token=token, p_send_lease=dispatch_lease)
+            params.update(p_sends=mark.sends, p_token=mark.token, p_send_lease=mark.dispatch_lease)
         liveness = sql.liveness_locking if locking else sql.liveness
         for _ in range(RACE_ATTEMPTS):
             if rowcount(connection.execute(insert, params)) == 1:
@@ -352,48 +308,17 @@ class SQLBase(SQLReceipts):
 
     # -- inside the caller's transaction -------------------------------------------------------
 
-    def _complete_in(
-        self,
-        session: Session,
-        key: str,
-        owner: str,
-        keep_for: float,
-        result: str | None,
-        sends: str | None,
-        dispatch_lease: float,
-    ) -> bool:
+    def _complete_in(self, session: Session, done: Completion) -> bool:
         """The fenced completion through ``session``'s transaction (not committed here): the
         handler's rows, the mark and its sends commit together."""
         with self._errors("complete_in"):
-            return self._complete_on(
-                session.connection(), key, owner, keep_for, result, sends, dispatch_lease
-            )
+            return self._complete_on(session.connection(), done)
 
-    def _mark_in(
-        self,
-        session: Session,
-        key: str,
-        keep_for: float,
-        fingerprint: str | None,
-        result: str | None,
-        sends: str | None,
-        token: str,
-        dispatch_lease: float,
-    ) -> bool:
+    def _mark_in(self, session: Session, mark: Marking) -> bool:
         """The mark through ``session``'s transaction (not committed here), read with a locking
         read where a plain one would see an old snapshot."""
         with self._errors("mark_in"):
-            return self._mark_on(
-                session.connection(),
-                key,
-                keep_for,
-                fingerprint,
-                result,
-                sends,
-                token,
-                dispatch_lease,
-                locking=True,
-            )
+            return self._mark_on(session.connection(), mark, locking=True)
 
     def _record_sends_in(
         self,
@@ -407,9 +332,8 @@ class SQLBase(SQLReceipts):
         """The outbox's record through ``connection``'s transaction, not committed here."""
         self._ensure_ready("record_sends_in")
         with self._errors("record_sends_in"):
-            wrote = self._mark_on(
-                connection, key, keep_for, None, None, sends, token, dispatch_lease, locking=True
-            )
+            mark = Marking(key, keep_for, None, None, sends, token, dispatch_lease)
+            wrote = self._mark_on(connection, mark, locking=True)
         if not wrote:
             raise InvalidInput(f"outbox record {key!r} exists already")
 
