@@ -1,7 +1,8 @@
 """``taskonce audit EVENTS... --out DIR``: the command-line face of :func:`audit`.
 
 This module imports no Spark at import time, so ``taskonce --help`` works without PySpark;
-the ``taskonce`` command (core/cli.py) calls :func:`add_arguments` and :func:`run`.
+the ``taskonce`` command (its ``audit`` module in core/cli/) calls :func:`add_arguments` and
+:func:`run`.
 """
 
 from __future__ import annotations
