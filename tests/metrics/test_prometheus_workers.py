@@ -137,7 +137,13 @@ def check_scrape(run: dict[str, Any], framework: str, task: str, queue: str) -> 
     assert scraper.value(calls, text, operation="complete", store="RedisStore") == N, text
     runs = redis.Redis.from_url(REDIS_URL).get(f"{run['prefix']}:runs")
     assert int(runs or 0) == N  # each message ran once, the broken sink notwithstanding
-    assert "event sink" in worker_log(run) and "this sink is broken" in worker_log(run)
+    # the worker's processes hand their log lines to its main process, which writes them
+    # when it gets to it: wait for the line rather than read the file once
+    wait_for(
+        lambda: "event sink" in worker_log(run) and "this sink is broken" in worker_log(run),
+        timeout=30,
+        what="the broken sink's traceback in the worker's log",
+    )
 
 
 def test_celery_prefork_worker_metrics_count_messages_and_duplicates(
