@@ -45,17 +45,23 @@ __all__ = [
 ]
 
 
+def _bounded(name: str, value: object, limit: int, shown: int) -> str:
+    """``value`` unless it is not a non-empty string of at most ``limit`` characters; the
+    error shows its first ``shown`` characters."""
+    if type(value) is str and 0 < len(value) <= limit:
+        return value  # the common case first: every store call runs this
+    if not isinstance(value, str) or not value:
+        raise InvalidInput(f"{name} {value!r} must be a non-empty string")
+    if len(value) > limit:
+        raise InvalidInput(
+            f"{name} {value[:shown]!r}… is {len(value)} characters; the limit is {limit}"
+        )
+    return value
+
+
 def check_key(key: object) -> str:
     """``key`` unless it is not a non-empty string of at most ``MAX_KEY_LENGTH`` characters."""
-    if type(key) is str and 0 < len(key) <= MAX_KEY_LENGTH:
-        return key  # the common case first: every store call runs this
-    if not isinstance(key, str) or not key:
-        raise InvalidInput(f"key {key!r} must be a non-empty string")
-    if len(key) > MAX_KEY_LENGTH:
-        raise InvalidInput(
-            f"key {key[:40]!r}… is {len(key)} characters; the limit is {MAX_KEY_LENGTH}"
-        )
-    return key
+    return _bounded("key", key, MAX_KEY_LENGTH, 40)
 
 
 def check_text(name: str, value: object) -> str:
@@ -75,15 +81,7 @@ def check_keys(keys: object) -> list[str]:
 def check_token(name: str, value: object) -> str:
     """``value`` unless it is not a non-empty string of at most ``MAX_TOKEN_LENGTH``
     characters (an owner or dispatch token)."""
-    if type(value) is str and 0 < len(value) <= MAX_TOKEN_LENGTH:
-        return value
-    if not isinstance(value, str) or not value:
-        raise InvalidInput(f"{name} {value!r} must be a non-empty string")
-    if len(value) > MAX_TOKEN_LENGTH:
-        raise InvalidInput(
-            f"{name} {value[:20]!r}… is {len(value)} characters; the limit is {MAX_TOKEN_LENGTH}"
-        )
-    return value
+    return _bounded(name, value, MAX_TOKEN_LENGTH, 20)
 
 
 def check_fingerprint(fingerprint: object) -> str | None:
@@ -96,14 +94,7 @@ def check_worker(worker: object, *, optional: bool = False) -> str | None:
     characters (None allowed with ``optional``)."""
     if worker is None and optional:
         return None
-    if not isinstance(worker, str) or not worker:
-        raise InvalidInput(f"worker identity {worker!r} must be a non-empty string")
-    if len(worker) > MAX_WORKER_LENGTH:
-        raise InvalidInput(
-            f"worker identity {worker[:20]!r}… is {len(worker)} characters; the limit is "
-            f"{MAX_WORKER_LENGTH}"
-        )
-    return worker
+    return _bounded("worker identity", worker, MAX_WORKER_LENGTH, 20)
 
 
 def check_seconds(name: str, value: object, *, zero: bool = False) -> float:
