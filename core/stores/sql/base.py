@@ -25,7 +25,7 @@ from sqlalchemy.engine import Connection
 
 from taskonce.errors import InvalidInput, StoreUnavailable
 from taskonce.stores.base import Awaiting, Claim, ClaimOutcome, Completion, Marking, Record
-from taskonce.stores.sql.receipts import SQLReceipts, awaiting_params
+from taskonce.stores.sql.receipts import SQLReceipts
 from taskonce.stores.sql.schema import Stored, make_live_table, make_table, to_record
 from taskonce.stores.sql.statements import SQLITE_UPSERT, Statements, rowcount
 
@@ -268,13 +268,8 @@ class SQLBase(SQLReceipts):
 
     def _dispatched(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
         """One fenced UPDATE; with ``awaiting`` the same one also writes the receipts."""
-        params: dict[str, Any] = {"p_key": key, "p_token": token}
-        statement = self._sql.dispatched
-        if awaiting is not None:
-            statement = self._sql.dispatched_awaiting
-            params.update(awaiting_params(awaiting))
-        with self._connect("dispatched") as connection:
-            return rowcount(connection.execute(statement, params)) == 1
+        statements = (self._sql.dispatched, self._sql.dispatched_awaiting)
+        return self._fenced_with_awaiting("dispatched", statements, key, token, awaiting)
 
     # -- operations ----------------------------------------------------------------------------
 

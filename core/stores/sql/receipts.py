@@ -58,12 +58,26 @@ class SQLReceipts(TransactionalStore):
         return ReceiptLease(retry_after=max(float(remaining or 0.0), 0.0))
 
     def _settle_receipts(self, key: str, token: str, awaiting: Awaiting | None) -> bool:
+        statements = (self._sql.clear_receipts, self._sql.settle_receipts)
+        return self._fenced_with_awaiting("settle_receipts", statements, key, token, awaiting)
+
+    def _fenced_with_awaiting(
+        self,
+        operation: str,
+        statements: tuple[Any, Any],
+        key: str,
+        token: str,
+        awaiting: Awaiting | None,
+    ) -> bool:
+        """One UPDATE fenced by ``token``: the first of ``statements``, or with ``awaiting``
+        the second, which writes the receipts awaited too. True when it wrote."""
         params: dict[str, Any] = {"p_key": key, "p_token": token}
-        statement = self._sql.clear_receipts
+        plain, with_awaiting = statements
+        statement = plain
         if awaiting is not None:
-            statement = self._sql.settle_receipts
+            statement = with_awaiting
             params.update(awaiting_params(awaiting))
-        with self._connect("settle_receipts") as connection:
+        with self._connect(operation) as connection:
             return rowcount(connection.execute(statement, params)) == 1
 
     def _live_keys(self, keys: list[str]) -> set[str]:
