@@ -121,6 +121,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="extra Spark configuration (repeatable)",
     )
+    _add_jdbc_arguments(parser)
+    _add_judging_arguments(parser)
+    parser.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress line on standard error"
+    )
+    # The audit reads event logs, never a store: keep the store options it inherits from the
+    # commands' common parent out of its --help. (Those action objects are shared with the
+    # other commands, so they are filtered at formatting, not changed.)
+    parser.formatter_class = _NoStoreOptionsFormatter
+
+
+def _add_jdbc_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where events come from a SQL table instead of files."""
     jdbc = parser.add_argument_group("events from a SQL table (JDBC)")
     jdbc.add_argument(
         "--jdbc-url",
@@ -138,6 +152,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     jdbc.add_argument("--jdbc-user", metavar="USER", help="database user")
     jdbc.add_argument("--jdbc-driver", metavar="CLASS", help="driver class (default by URL)")
+
+
+def _add_judging_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the audit judges the events by: keep_for, the brokers' bounds, the advice's margin,
+    the what-if windows, the store's bytes per key, the exit status for cron and CI."""
     judge = parser.add_argument_group("judging")
     judge.add_argument(
         "--keep-for",
@@ -193,14 +212,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"exit {EXIT_PROBLEMS} when a key leaked or a queue's keep_for is below its "
         "recommendation (for cron and CI)",
     )
-    parser.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
-    parser.add_argument(
-        "--no-progress", action="store_true", help="no progress line on standard error"
-    )
-    # The audit reads event logs, never a store: keep the store options it inherits from the
-    # commands' common parent out of its --help. (Those action objects are shared with the
-    # other commands, so they are filtered at formatting, not changed.)
-    parser.formatter_class = _NoStoreOptionsFormatter
 
 
 #: Options of the ``taskonce`` commands that address a store; ``audit`` has no use for them.
