@@ -119,5 +119,7 @@ def test_a_claim_raising_unexpectedly_once_runs_the_actor_once_later(
         assert [r["key"] for r in runs] == [f"{h.config.queue('main')}:{message.message_id}"]
         log = worker.output()
         assert "unexpected error before running charge_key" in log
-        assert log.count("Traceback") == 1
+        # the injected error's traceback once (a late readiness ping of an earlier test's
+        # worker, for a table already dropped, may log a traceback of its own)
+        assert log.count("in first_claim_fails") == 1
         assert "dead-letter" not in log
